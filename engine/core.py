@@ -1,0 +1,192 @@
+"""EngineCore: the synchronous step loop. Requests in, new tokens out.
+
+One `step()`: the scheduler plans the running set, the runner executes it as one ragged forward, the
+requests whose tokens are all cached get a sampled next token, and finished requests (EOS, stop string,
+max_new_tokens, abort) free their memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.default_model import default_model_dir
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from scheduler.memory import MemoryManager
+from scheduler.request import Request, RequestStats
+from scheduler.scheduler import Scheduler
+from scheduler.types import InvalidRequest, SamplingParams
+from workers.cache import ModelCache
+from workers.config import ModelConfig
+from workers.model import HybridModel
+from workers.runner import ModelRunner
+from workers.sampling import make_generator, sample
+from workers.weights import load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # model directory; None = the embedded default model
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None  # None: enough for max_running requests of max_model_len tokens (capped)
+    max_running: int = 64  # also the number of GDN state slots
+    max_step_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 32768)
+
+    def validate(self) -> "EngineConfig":
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        for name in ("page_size", "max_running", "max_step_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        return self
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a request beside the scheduler's Request: sampling and detokenization."""
+
+    request: Request
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    text: str = ""  # text decoded so far (stop strings are searched here)
+    emitted_chars: int = 0
+    pending_ids: list[int] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config.validate()
+        model_dir = Path(config.model) if config.model else default_model_dir()
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        dtype, device = DTYPES[config.dtype], torch.device(config.device)
+        self.model = HybridModel(self.model_config, dtype, device)
+        load_weights(self.model, model_dir)
+        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 32768)
+        num_pages = config.num_pages or self._auto_num_pages(dtype, device)
+        self.cache = ModelCache(self.model_config, num_pages, config.page_size, config.max_running, dtype, device)
+        self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
+        self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.live: dict[str, _Live] = {}
+
+    def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
+        """Enough pages for max_running requests of max_model_len tokens, within a KV memory budget
+        (2 GiB on CPU; half of the free memory on a GPU)."""
+        cfg = self.config
+        wanted = cfg.max_running * -(-self.max_model_len // cfg.page_size)
+        page_bytes = max(ModelCache.kv_bytes_per_token(self.model_config, dtype) * cfg.page_size, 1)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free // 2
+        else:
+            budget = 2 << 30
+        return max(1, min(wanted, budget // page_bytes))
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"prompt_token_ids[{i}] must be an integer token id in [0, {vocab}), got {t!r}", "prompt_token_ids")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt must be shorter than the model's length limit {self.max_model_len} tokens, "
+                f"got {len(prompt_ids)}", "prompt")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.live:
+            raise InvalidRequest(f"request_id {request_id!r} is already in flight", "request_id")
+        self.validate_prompt(prompt_ids)
+        request = Request(request_id, list(prompt_ids), params)
+        try:
+            self.scheduler.add(request)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "max_new_tokens") from e
+        self.live[request_id] = _Live(request, make_generator(params.seed, self.model.device),
+                                      IncrementalDetokenizer(self.tokenizer))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if live is not None and not live.request.finished:
+            self.scheduler.finish(live.request, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ---------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        tokens = [c.request.all_ids[c.start:c.start + c.num_tokens] for c in plan.chunks]
+        ids = [c.request.request_id for c in plan.chunks]
+        tables = [self.memory.table(i) for i in ids]
+        logits = self.runner.execute(tokens, [c.start for c in plan.chunks], [t.pages for t in tables],
+                                     [t.slot for t in tables])  # [B, V]
+        self.scheduler.commit(plan)
+        sampling_rows = [i for i, c in enumerate(plan.chunks) if c.completes]
+        if not sampling_rows:
+            return []
+        reqs = [plan.chunks[i].request for i in sampling_rows]
+        lives = [self.live[r.request_id] for r in reqs]
+        new_ids = sample(logits[sampling_rows], [r.params for r in reqs], [lv.generator for lv in lives]).tolist()
+        return [self._append(lv, [tok]) for lv, tok in zip(lives, new_ids)]
+
+    def _append(self, live: _Live, new_ids: list[int]) -> StepOutput:
+        """Adds sampled tokens to a request, applies the stop conditions, returns what to stream."""
+        request, params = live.request, live.request.params
+        accepted: list[int] = []
+        reason, stop_hit = None, False
+        for tok in new_ids:
+            request.output_ids.append(tok)
+            accepted.append(tok)
+            if tok in self.eos_ids and not params.ignore_eos:
+                reason = "stop"
+                break
+            live.text += live.detok.push([tok])
+            if params.stop and (cut := find_stop(live.text, params.stop)) is not None:
+                live.text, reason, stop_hit = live.text[:cut], "stop", True
+                break
+            if len(request.output_ids) >= params.max_new_tokens:
+                reason = "length"
+                break
+        if reason is not None:
+            if not stop_hit:
+                live.text += live.detok.flush()
+            self.scheduler.finish(request, reason)
+            del self.live[request.request_id]
+        holdback = stop_holdback(live.text, params.stop) if params.stop and reason is None else 0
+        upto = len(live.text) - holdback
+        new_text = live.text[live.emitted_chars:upto]
+        live.emitted_chars = max(live.emitted_chars, upto)
+        return StepOutput(request.request_id, accepted, new_text, reason is not None, reason,
+                          request.stats if reason else None)

@@ -1,0 +1,274 @@
+"""Tokenizer wrapper, the embedded byte-level tokenizer, streaming detokenization
+and stop-string helpers.
+
+- ``Tokenizer``: wraps a Hugging Face ``tokenizers.Tokenizer`` loaded from a model
+  directory's ``tokenizer.json``; knows the EOS id(s) from config.json /
+  generation_config.json / well-known special tokens.
+- ``build_byte_tokenizer`` / ``write_byte_tokenizer``: the engine's default
+  tokenizer: 256 byte-level symbols (ids 0..255 in byte order), no merges, plus
+  ``<|endoftext|>`` = 256. Any string round-trips exactly.
+- ``IncrementalDetokenizer``: UTF-8-safe streaming decode using a small window
+  (prefix offset / read offset, as vLLM and TGI do).
+- ``find_stop`` / ``stop_holdback``: stop-string search and the number of trailing
+  characters that must be withheld so a partial stop string is never streamed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+__all__ = [
+    "BYTE_EOS_TOKEN",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "build_byte_tokenizer",
+    "bytes_to_unicode",
+    "find_stop",
+    "stop_holdback",
+    "write_byte_tokenizer",
+]
+
+BYTE_EOS_TOKEN = "<|endoftext|>"
+# Special tokens that are taken as EOS when no config names one (in this order).
+_EOS_TOKEN_NAMES = ("<|endoftext|>", "<|im_end|>", "</s>")
+_REPLACEMENT = "\ufffd"
+
+
+# --------------------------------------------------------------------------- #
+# Byte-level tokenizer
+# --------------------------------------------------------------------------- #
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode char table (the ByteLevel alphabet)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def build_byte_tokenizer() -> tokenizers.Tokenizer:
+    """Deterministic byte-level BPE: ids 0..255 = bytes 0..255, no merges,
+    ``<|endoftext|>`` = 256. ByteLevel pre-tokenizer (no prefix space) and decoder."""
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_EOS_TOKEN, special=True, normalized=False)])
+    assert tok.token_to_id(BYTE_EOS_TOKEN) == 256
+    return tok
+
+
+def write_byte_tokenizer(dirpath: str | os.PathLike) -> Path:
+    """Write the byte tokenizer as ``<dirpath>/tokenizer.json``; returns that path."""
+    d = Path(dirpath)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "tokenizer.json"
+    build_byte_tokenizer().save(str(path))
+    return path
+
+
+# --------------------------------------------------------------------------- #
+# Tokenizer wrapper
+# --------------------------------------------------------------------------- #
+def _as_id_list(value) -> list[int] | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return [value]
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return list(value)
+    return None
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"invalid JSON in {path}: {e}") from e
+    return data if isinstance(data, dict) else None
+
+
+def _eos_from_dir(d: Path) -> list[int] | None:
+    cfg = _read_json(d / "config.json")
+    if cfg is not None:
+        ids = _as_id_list(cfg.get("eos_token_id"))
+        if ids is None and isinstance(cfg.get("text_config"), dict):
+            ids = _as_id_list(cfg["text_config"].get("eos_token_id"))
+        if ids is not None:
+            return ids
+    gen = _read_json(d / "generation_config.json")
+    if gen is not None:
+        ids = _as_id_list(gen.get("eos_token_id"))
+        if ids is not None:
+            return ids
+    return None
+
+
+class Tokenizer:
+    """A model's tokenizer: ``encode`` (no special tokens added) / ``decode``."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, eos_token_ids: Iterable[int] | None = None):
+        self.hf = tok
+        ids = list(eos_token_ids) if eos_token_ids is not None else []
+        if not ids:
+            ids = [i for name in _EOS_TOKEN_NAMES if (i := tok.token_to_id(name)) is not None]
+        self._eos_list: list[int] = list(dict.fromkeys(ids))
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        d = Path(path)
+        file = d / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(errno.ENOENT, "tokenizer.json not found", str(file))
+        tok = tokenizers.Tokenizer.from_file(str(file))
+        return cls(tok, _eos_from_dir(d))
+
+    @classmethod
+    def byte_level(cls) -> "Tokenizer":
+        """The embedded default (byte) tokenizer; EOS = ``<|endoftext|>`` (256)."""
+        return cls(build_byte_tokenizer())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_list[0] if self._eos_list else None
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self._eos_list)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_token_ids={sorted(self._eos_list)})"
+
+
+# --------------------------------------------------------------------------- #
+# Streaming detokenization
+# --------------------------------------------------------------------------- #
+class _Decodes(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Streams text from token ids without ever emitting a broken UTF-8 character.
+
+    Only a window ``ids[prefix:]`` is decoded per push. ``prefix`` and ``read`` are
+    token offsets where the decoded text ends on a complete character; the tokens in
+    ``ids[prefix:read]`` are already emitted and give the decoder left context
+    (needed by e.g. SentencePiece-style decoders). ``sent`` counts characters of the
+    window's text already emitted. A trailing U+FFFD run (an incomplete multi-byte
+    sequence) is held back; complete characters before it are emitted at once.
+    """
+
+    def __init__(self, tokenizer: _Decodes, skip_special_tokens: bool = True, max_window: int = 64):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._max_window = max_window
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self._sent = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        """Add token ids; return the newly completed text (possibly '')."""
+        if isinstance(ids, int):
+            self.ids.append(ids)
+        else:
+            self.ids.extend(ids)
+        text = self._decode(self.ids[self._prefix :])
+        complete = not text.endswith(_REPLACEMENT)
+        stable = text if complete else text.rstrip(_REPLACEMENT)
+        out = stable[self._sent :]
+        self._sent = max(self._sent, len(stable))
+        n = len(self.ids)
+        if complete:
+            if n > self._read:
+                # Slide: the old read offset becomes the new window start.
+                self._prefix, self._read = self._read, n
+                self._sent = len(self._decode(self.ids[self._prefix :]))
+        elif n - self._prefix > self._max_window:
+            self._realign(text)
+        return out
+
+    def _realign(self, text: str) -> None:
+        # Pathological case: many pushes in a row ended mid-character. Find a recent
+        # token boundary that ends on a complete character and restart the window there.
+        for j in range(len(self.ids) - 1, max(self._read, len(self.ids) - 8), -1):
+            head = self._decode(self.ids[self._prefix : j])
+            if not head.endswith(_REPLACEMENT) and text.startswith(head) and len(head) <= self._sent:
+                self._sent -= len(head)
+                self._prefix = self._read = j
+                return
+
+    def flush(self) -> str:
+        """Return whatever is left (an invalid tail decodes with U+FFFD)."""
+        text = self._decode(self.ids[self._prefix :])
+        out = text[self._sent :]
+        self._prefix = self._read = len(self.ids)
+        self._sent = 0
+        return out
+
+
+# --------------------------------------------------------------------------- #
+# Stop strings
+# --------------------------------------------------------------------------- #
+def find_stop(text: str, stops: Iterable[str]) -> int | None:
+    """Index in ``text`` where the earliest stop string starts, or None."""
+    best = None
+    for s in stops:
+        if s:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best):
+                best = i
+    return best
+
+
+def stop_holdback(text: str, stops: Iterable[str]) -> int:
+    """Number of trailing characters of ``text`` that could begin a stop string
+    (a proper prefix of one) and so must not be streamed yet."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold

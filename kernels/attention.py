@@ -1,0 +1,69 @@
+"""Causal attention over a paged KV cache for a ragged batch (PyTorch references).
+
+KV lives in pages: `k_cache`/`v_cache` [P, page_size, HKV, D]; request i's token at position p is in page
+page_table[i, p // page_size], row p % page_size. A step brings T_i new tokens per request at positions
+context_lens[i] .. context_lens[i] + T_i - 1; each attends to every cached position up to its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _flat_slots(page_table: Tensor, positions: Tensor, request_of_row: Tensor, page_size: int) -> Tensor:
+    """Flat cache row (page * page_size + offset) of each (request, position)."""
+    pages = page_table[request_of_row, positions // page_size].long()
+    return pages * page_size + positions % page_size
+
+
+def write_kv_ref(
+    k: Tensor,  # [N, HKV, D] new keys
+    v: Tensor,  # [N, HKV, D]
+    k_cache: Tensor,  # [P, page_size, HKV, D]
+    v_cache: Tensor,
+    page_table: Tensor,  # [B, max_pages] int32
+    positions: Tensor,  # [N] int64 absolute position of each new token
+    request_of_row: Tensor,  # [N] int64 request index of each new token
+) -> None:
+    page_size = k_cache.shape[1]
+    rows = _flat_slots(page_table, positions, request_of_row, page_size)
+    k_cache.view(-1, *k_cache.shape[2:])[rows] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[rows] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: Tensor,  # [N, H, D]
+    k_cache: Tensor,  # [P, page_size, HKV, D] (already holding this step's keys)
+    v_cache: Tensor,
+    page_table: Tensor,  # [B, max_pages] int32
+    cu_seqlens: Tensor,  # [B+1] int32 new tokens per request
+    context_lens: Tensor,  # [B] int32 tokens cached before this step
+    scale: float,
+    query_lens: list[int],  # host copies of the lengths (the reference loops over requests)
+    context_lens_host: list[int],
+) -> Tensor:
+    """Returns o [N, H, D] in q's dtype."""
+    page_size = k_cache.shape[1]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (t_new, t_old) in enumerate(zip(query_lens, context_lens_host)):
+        total = t_old + t_new
+        pos = torch.arange(total, device=q.device)
+        rows = page_table[i, pos // page_size].long() * page_size + pos % page_size
+        keys = k_cache.view(-1, kv_heads, k_cache.shape[-1])[rows].transpose(0, 1)  # [HKV, total, D]
+        vals = v_cache.view(-1, kv_heads, v_cache.shape[-1])[rows].transpose(0, 1)
+        if heads != kv_heads:
+            keys = keys.repeat_interleave(heads // kv_heads, dim=0)
+            vals = vals.repeat_interleave(heads // kv_heads, dim=0)
+        qi = q[start : start + t_new].transpose(0, 1)  # [H, t_new, D]
+        # query j sits at position t_old + j and may see positions <= t_old + j
+        mask = pos[None, :] <= (t_old + torch.arange(t_new, device=q.device))[:, None]  # [t_new, total]
+        o = F.scaled_dot_product_attention(
+            qi.unsqueeze(0), keys.to(q.dtype).unsqueeze(0), vals.to(q.dtype).unsqueeze(0), attn_mask=mask, scale=scale
+        )
+        out[start : start + t_new] = o[0].transpose(0, 1)
+        start += t_new
+    return out

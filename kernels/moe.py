@@ -1,0 +1,52 @@
+"""Mixture-of-experts: softmax top-k routing and the expert MLPs for all tokens of a step (PyTorch references).
+
+Expert weights: `w_gate_up` [E, 2I, H] (gate rows then up rows), `w_down` [E, H, I]. Tokens of every request
+are grouped by expert so each touched expert's weights are read once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def route_ref(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """router_logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe_ref(
+    x: Tensor,  # [N, H]
+    w_gate_up: Tensor,  # [E, 2I, H]
+    w_down: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [N, k]
+    topk_ids: Tensor,  # [N, k] int64
+    token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
+) -> Tensor:
+    """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H]."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)  # [N*k]
+    if token_mask is not None:
+        flat_ids = torch.where(token_mask.repeat_interleave(top_k), flat_ids, -1)
+    order = torch.argsort(flat_ids, stable=True)  # assignments sorted by expert
+    sorted_ids = flat_ids[order]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order]
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        if e < 0:
+            start += n
+            continue
+        rows = token_of[start : start + n]
+        gate, up = F.linear(x[rows], w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[e]) * weight_of[start : start + n, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += n
+    return out

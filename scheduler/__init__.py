@@ -1,0 +1,1 @@
+"""Scheduling policy and bookkeeping: pure Python, no tensors."""

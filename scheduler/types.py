@@ -1,0 +1,101 @@
+"""Plain data types shared by the engine, scheduler and workers (no torch here)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+MAX_NEW_TOKENS = 8192
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_SEED = 2**63  # exclusive
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range or of the wrong type; `.field` names it.
+
+    The message always names the field, the allowed range and the value given, so the
+    gRPC layer can return it verbatim as INVALID_ARGUMENT.
+    """
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # keep `.field` across pickling (Ray executor)
+        return (type(self), (str(self), self.field))
+
+
+def _show(value: object) -> str:
+    r = repr(value)
+    if len(r) > 60:
+        r = r[:57] + "..."
+    if isinstance(value, (bool, int, float)) or value is None:
+        return r
+    return f"{r} ({type(value).__name__})"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling options. Validated on construction; change with dataclasses.replace."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = disabled, else >= 1
+    max_new_tokens: int = 32  # 1..MAX_NEW_TOKENS
+    stop: list[str] = field(default_factory=list)  # <= MAX_STOP_STRINGS, each 1..MAX_STOP_LEN chars
+    seed: int | None = None  # same seed => same sampled output; 0 <= seed < 2**63
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "SamplingParams":
+        """Check every field (raising InvalidRequest) and normalize numeric types in place."""
+        t = self.temperature
+        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {_show(t)}", "temperature")
+        p = self.top_p
+        if not (_is_real(p) and 0 < p <= 1):  # NaN fails the comparison
+            raise InvalidRequest(f"top_p must be in (0, 1], got {_show(p)}", "top_p")
+        k = self.top_k
+        if not (_is_int(k) and k >= 0):
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {_show(k)}", "top_k")
+        n = self.max_new_tokens
+        if not (_is_int(n) and 1 <= n <= MAX_NEW_TOKENS):
+            raise InvalidRequest(
+                f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}, got {_show(n)}", "max_new_tokens"
+            )
+        stop = self.stop
+        if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP_STRINGS:
+            shown = f"{len(stop)} strings" if isinstance(stop, (list, tuple)) else _show(stop)
+            raise InvalidRequest(f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {shown}", "stop")
+        for i, s in enumerate(stop):
+            if not (isinstance(s, str) and 1 <= len(s) <= MAX_STOP_LEN):
+                raise InvalidRequest(
+                    f"stop[{i}] must be a string of 1 to {MAX_STOP_LEN} characters, got {_show(s)}"
+                    + (f" of length {len(s)}" if isinstance(s, str) else ""),
+                    "stop",
+                )
+        seed = self.seed
+        if seed is not None and not (_is_int(seed) and 0 <= seed < MAX_SEED):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**63) or unset, got {_show(seed)}", "seed")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}", "ignore_eos")
+        # Normalize (e.g. numpy scalars, int temperature, a tuple or caller-owned list of stops).
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "max_new_tokens", int(n))
+        object.__setattr__(self, "stop", list(stop))
+        object.__setattr__(self, "seed", None if seed is None else int(seed))
+        return self

@@ -1,0 +1,67 @@
+"""The benchmark model: Qwen3.6-35B-A3B shapes with random bf16 weights made directly on the GPU.
+
+Random routers touch experts uniformly, which overstates MoE cost growth with tokens (docs/benchmarking.md).
+`routing="zipf"` adds a fixed per-expert logit bias -log(rank) so that, with unit-variance router logits,
+expert popularity follows Zipf with exponent 1: distinct experts touched by 4 / 16 / 64 / 544 tokens come out
+near 17 / 35 / 61 / 121 (top-8 of 256), the paper's skewed-routing row. `routing="uniform"` is the second row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.config import ModelConfig
+from workers.model import HybridModel, SparseMoe
+from workers.random_init import init_random_
+
+ROUTINGS = ("zipf", "uniform")
+
+
+def qwen36_35b_a3b_config(num_layers: int = 40, vocab_size: int = 248320) -> ModelConfig:
+    """40 layers = 10 x (3 GDN + 1 gated attention), hidden 2048, 256 experts top-8 + shared expert."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    return ModelConfig.from_dict({
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": vocab_size,
+        "hidden_size": 2048,
+        "num_hidden_layers": num_layers,
+        "layer_types": layer_types,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+    })
+
+
+def zipf_router_bias(num_experts: int, seed: int, device) -> torch.Tensor:
+    """Per-expert bias -log(rank), ranks a fixed random permutation of 1..E."""
+    gen = torch.Generator().manual_seed(seed)
+    rank = torch.randperm(num_experts, generator=gen).float() + 1.0
+    return (-torch.log(rank)).to(device)
+
+
+def build_bench_model(num_layers: int = 40, routing: str = "zipf", dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cuda", seed: int = 0,
+                      config: ModelConfig | None = None) -> HybridModel:
+    """Random-weight model at Qwen3.6-35B-A3B shapes (or `config`), built in place on `device`."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    cfg = config or qwen36_35b_a3b_config(num_layers)
+    model = init_random_(HybridModel(cfg, dtype, device), seed)
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, SparseMoe) and routing == "zipf":
+            layer.mlp.router_bias = zipf_router_bias(cfg.num_experts, seed + i, device).to(torch.float32)
+    return model

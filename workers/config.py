@@ -1,0 +1,194 @@
+"""ModelConfig: the architecture of a hybrid GDN + MoE model, read from a Hugging Face config.json.
+
+Both families share one internal description:
+- `qwen3_next` (Qwen3-Next): fused `in_proj_qkvz` / `in_proj_ba` GDN projections, optional dense MLP layers
+  (`mlp_only_layers`, `decoder_sparse_step`), `norm_topk_prob` configurable.
+- `qwen3_5_moe_text` (Qwen3.5-MoE / Qwen3.6 text model; `qwen3_5_moe` with a `text_config` is accepted too):
+  split `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`, every layer MoE, top-k always renormalized.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text")
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+class ConfigError(ValueError):
+    """config.json is missing a field, has an unsupported value, or is inconsistent."""
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: list[str]
+    rms_norm_eps: float
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    attention_bias: bool
+    # gated delta net
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # mixture of experts
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: list[bool]  # per layer: sparse MoE (True) or dense MLP (False)
+    intermediate_size: int  # dense MLP width (qwen3_next mlp_only_layers)
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+
+    # ---- derived sizes -------------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:  # q (and k) width of a GDN layer
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # v (and z) width of a GDN layer
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short causal conv: q, k, v
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+
+    def gdn_state_bytes(self) -> int:
+        """Bytes of GDN state one request holds across all GDN layers (fp32 recurrent state + conv window)."""
+        per_layer = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        conv = self.conv_dim * (self.linear_conv_kernel_dim - 1) * 4
+        return len(self.gdn_layers) * (per_layer + conv)
+
+    def validate(self) -> "ModelConfig":
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"config.json: {msg}")
+
+        need(self.model_type in SUPPORTED_MODEL_TYPES,
+             f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        need(not bad, f"layer_types may only hold {LINEAR_ATTENTION!r} and {FULL_ATTENTION!r}, got {bad}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             "num_attention_heads must be a multiple of num_key_value_heads")
+        need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             "linear_num_value_heads must be a multiple of linear_num_key_heads")
+        need(1 <= self.num_experts_per_tok <= max(self.num_experts, 1),
+             "num_experts_per_tok must be between 1 and num_experts")
+        need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+             "head_dim * partial_rotary_factor must be an even number in (0, head_dim]")
+        need(self.hidden_act == "silu", f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        need(self.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim must be >= 2")
+        return self
+
+    # ---- reading -------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        if raw.get("model_type") == "qwen3_5_moe" and isinstance(raw.get("text_config"), dict):
+            top_eos = raw.get("eos_token_id")
+            raw = dict(raw["text_config"], model_type="qwen3_5_moe_text")
+            raw.setdefault("eos_token_id", top_eos)
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"config.json: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+
+        def get(name: str, default=None):
+            if name in raw and raw[name] is not None:
+                return raw[name]
+            if default is None:
+                raise ConfigError(f"config.json: required field {name!r} is missing")
+            return default
+
+        num_layers = int(get("num_hidden_layers"))
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            interval = int(raw.get("full_attention_interval", 4))
+            layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"config.json: rope_type must be 'default', got {rope_type!r}")
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+        hidden = int(get("hidden_size"))
+        heads = int(get("num_attention_heads"))
+        num_experts = int(get("num_experts", 0)) if "num_experts" in raw else 0
+        if model_type == "qwen3_next":
+            mlp_only = set(raw.get("mlp_only_layers") or [])
+            step = int(raw.get("decoder_sparse_step", 1))
+            moe_layers = [i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+            norm_topk = bool(raw.get("norm_topk_prob", True))
+        else:
+            moe_layers = [True] * num_layers
+            norm_topk = True
+        if any(moe_layers) and num_experts <= 0:
+            raise ConfigError("config.json: num_experts must be > 0 for MoE layers")
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        return cls(
+            model_type=model_type,
+            vocab_size=int(get("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            layer_types=list(layer_types),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            linear_num_key_heads=int(get("linear_num_key_heads")),
+            linear_num_value_heads=int(get("linear_num_value_heads")),
+            linear_key_head_dim=int(get("linear_key_head_dim")),
+            linear_value_head_dim=int(get("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
+            norm_topk_prob=norm_topk,
+            moe_layers=moe_layers,
+            intermediate_size=int(raw.get("intermediate_size") or 0),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            hidden_act=str(raw.get("hidden_act", "silu")),
+        ).validate()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model directory {model_dir}: no config.json")
+        return cls.from_dict(json.loads(path.read_text()))

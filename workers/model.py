@@ -1,0 +1,238 @@
+"""The hybrid Gated-DeltaNet + MoE decoder (Qwen3-Next / Qwen3.5-MoE), run over ragged batches.
+
+Parameter names follow the Hugging Face checkpoints (`model.layers.{i}.linear_attn.in_proj_qkv.weight`, ...)
+with one canonical layout for both families: GDN projections split as in Qwen3.5 (qkv, z, b, a) and
+experts fused as 3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+workers.weights converts the other layouts on load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.attention import paged_attention_ref, write_kv_ref
+from kernels.conv import causal_conv1d_ref
+from kernels.gdn import gdn_ref
+from kernels.moe import fused_moe_ref, route_ref
+from kernels.norm import gated_rmsnorm_ref, rmsnorm_ref
+from workers.batch import ForwardBatch
+from workers.cache import AttentionKV, GDNState, ModelCache
+from workers.config import FULL_ATTENTION, ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, dtype, device, bias: bool = False):
+        super().__init__()
+        self.weight = _param(d_out, d_in, dtype=dtype, device=device)
+        self.bias = _param(d_out, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rmsnorm_ref(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding on the first `rotary_dim` dims of each head (rotate-half convention)."""
+
+    def __init__(self, rotary_dim: int, theta: float, device):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim = rotary_dim
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [N, R]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [N, heads, D]; cos/sin [N, R]."""
+        r = self.rotary_dim
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        x_rot = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class Attention(nn.Module):
+    """Gated full attention: GQA, q/k RMSNorm, partial rotary, sigmoid output gate, paged KV."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype, device):
+        super().__init__()
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, cfg.num_key_value_heads, d
+        self.q_proj = Linear(cfg.hidden_size, h * d * 2, dtype, device, cfg.attention_bias)  # query and gate
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * d, dtype, device, cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * d, dtype, device, cfg.attention_bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, dtype, device, cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        self.rope = rope
+
+    def forward(self, x: Tensor, batch: ForwardBatch, kv: AttentionKV, cos: Tensor, sin: Tensor) -> Tensor:
+        n = x.shape[0]
+        q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [N, H, D] each
+        q = self.rope.apply(self.q_norm(q), cos, sin)
+        k = self.rope.apply(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        write_kv_ref(k, v, kv.k, kv.v, batch.page_table, batch.positions, batch.request_of_row)
+        o = paged_attention_ref(q, kv.k, kv.v, batch.page_table, batch.cu_seqlens, batch.context_lens,
+                                self.head_dim ** -0.5, batch.query_lens, batch.context_lens_host)  # [N, H, D]
+        o = o.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer: projections, short causal conv + SiLU, gated delta rule, gated RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        hidden = cfg.hidden_size
+        self.in_proj_qkv = Linear(hidden, cfg.conv_dim, dtype, device)
+        self.in_proj_z = Linear(hidden, self.value_dim, dtype, device)
+        self.in_proj_b = Linear(hidden, self.hv, dtype, device)
+        self.in_proj_a = Linear(hidden, self.hv, dtype, device)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _param(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim, dtype=dtype, device=device)
+        self.dt_bias = _param(self.hv, dtype=dtype, device=device)
+        self.A_log = _param(self.hv, dtype=dtype, device=device)
+        self.norm = nn.Module()
+        self.norm.weight = _param(self.dv, dtype=dtype, device=device)
+        self.eps = cfg.rms_norm_eps
+        self.out_proj = Linear(self.value_dim, hidden, dtype, device)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, state: GDNState) -> Tensor:
+        n = x.shape[0]
+        mixed = causal_conv1d_ref(self.in_proj_qkv(x), self.conv1d.weight[:, 0, :], batch.cu_seqlens,
+                                  state.conv, batch.state_slots, batch.max_query_len)  # [N, conv_dim]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
+        v = v.reshape(n, self.hv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))  # [N, HV]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, HV] log decay
+        o = gdn_ref(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
+                    batch.max_query_len)  # [N, HV, DV]
+        z = self.in_proj_z(x).view(n, self.hv, self.dv)
+        o = gated_rmsnorm_ref(o, z, self.norm.weight, self.eps)
+        return self.out_proj(o.reshape(n, self.value_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, dtype, device):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inner, dtype, device)
+        self.up_proj = Linear(hidden, inner, dtype, device)
+        self.down_proj = Linear(inner, hidden, dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoe(nn.Module):
+    """Softmax top-k router, routed experts (fused 3-D weights), shared expert with a sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Module()
+        self.gate.weight = _param(e, h, dtype=dtype, device=device)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
+        self.experts.down_proj = _param(e, h, i, dtype=dtype, device=device)
+        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype, device)
+        self.shared_expert_gate = Linear(h, 1, dtype, device)
+        # benchmarks only: a fixed per-expert logit bias that gives random-weight routers realistic skew
+        self.register_buffer("router_bias", None, persistent=False)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, H] -> (weights [N, k], expert ids [N, k])."""
+        logits = F.linear(x, self.gate.weight)  # [N, E]
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        return route_ref(logits, self.top_k, self.renormalize)
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        weights, ids = self.route(x)
+        routed = fused_moe_ref(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, rope: RotaryEmbedding, dtype, device):
+        super().__init__()
+        self.kind = cfg.layer_types[index]
+        if self.kind == FULL_ATTENTION:
+            self.self_attn = Attention(cfg, rope, dtype, device)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, device)
+        if cfg.moe_layers[index]:
+            self.mlp: nn.Module = SparseMoe(cfg, dtype, device)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, state, cos: Tensor, sin: Tensor) -> Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == FULL_ATTENTION:
+            h = self.self_attn(h, batch, state, cos, sin)
+        else:
+            h = self.linear_attn(h, batch, state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head. `forward` runs one ragged step."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
+        self.model.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, self.rope, dtype, device) for i in range(cfg.num_hidden_layers)]
+        )
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, device)
+
+    def lm_head_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows: Tensor | None = None) -> Tensor:
+        """Runs every request's new tokens against its cached state, updating KV pages and GDN slots.
+
+        Returns logits [M, V] for the flat rows in `logit_rows` (default: every request's last token).
+        """
+        x = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [N, H]
+        cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
+        for layer, state in zip(self.model.layers, cache.layers):
+            x = layer(x, batch, state, cos, sin)
+        rows = batch.last_token_rows() if logit_rows is None else logit_rows
+        h = self.model.norm(x[rows])
+        return F.linear(h, self.lm_head_weight())

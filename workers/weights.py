@@ -1,0 +1,173 @@
+"""Loading and saving safetensors checkpoints in the Hugging Face layouts of both model families.
+
+Accepted layouts (converted to workers.model's canonical one):
+- experts per expert (`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`, what transformers'
+  save_pretrained writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]);
+- Qwen3-Next GDN projections `in_proj_qkvz` / `in_proj_ba` (grouped per key head) or Qwen3.5's split
+  `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`;
+- the multimodal prefix `model.language_model.` (read as `model.`); `mtp.*` (the MTP head, read by its
+  drafter) and `model.visual.*` are not part of the decoder and are skipped.
+Any other missing, unexpected or mis-shaped tensor is an error that names it. safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from workers.config import ModelConfig
+from workers.model import HybridModel
+
+SKIPPED_PREFIXES = ("mtp.", "model.visual.")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class WeightsError(ValueError):
+    """The checkpoint does not match the config: names every missing, unexpected or mis-shaped tensor."""
+
+
+class Checkpoint:
+    """Tensor names -> lazily read tensors, over `model.safetensors` or a sharded index."""
+
+    def __init__(self, model_dir: str | Path):
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        single = root / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: root / shard for name, shard in weight_map.items()}
+        elif single.is_file():
+            with safe_open(str(single), "pt") as f:
+                files = {name: single for name in f.keys()}
+        else:
+            found = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
+            hint = f" (found {found}: pickle checkpoints are not loaded; convert them to safetensors)" if found else ""
+            raise FileNotFoundError(f"model directory {root}: no model.safetensors or model.safetensors.index.json{hint}")
+        self._files: dict[str, Path] = {}
+        for name, path in files.items():
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            self._files[name] = path
+        self._raw_names = {self._canonical(n): n for n in files}
+        self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _canonical(name: str) -> str:
+        return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(self._raw_names[name]).get_shape())
+
+    def get(self, name: str) -> Tensor:
+        return self._handle(name).get_tensor(self._raw_names[name])
+
+    def _handle(self, name: str):
+        path = self._files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), "pt")
+        return self._handles[path]
+
+
+def _qwen3_next_gdn_sources(cfg: ModelConfig, prefix: str) -> dict[str, Callable]:
+    """Qwen3-Next stores q, k, v, z (and b, a) grouped per key head; split them into the canonical rows."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+
+    def qkvz(ck: Checkpoint) -> tuple[Tensor, Tensor]:
+        w = ck.get(f"{prefix}.in_proj_qkvz.weight")  # [hk * (2dk + 2 r dv), H]
+        w = w.view(hk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = torch.split(w, [dk, dk, r * dv, r * dv], dim=1)
+        flat = lambda t: t.reshape(-1, w.shape[-1])  # noqa: E731
+        return torch.cat([flat(q), flat(k), flat(v)]), flat(z)
+
+    def ba(ck: Checkpoint) -> tuple[Tensor, Tensor]:
+        w = ck.get(f"{prefix}.in_proj_ba.weight").view(hk, 2 * r, -1)  # [hk * 2r, H]
+        b, a = torch.split(w, [r, r], dim=1)
+        return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
+
+    return {
+        f"{prefix}.in_proj_qkv.weight": lambda ck: qkvz(ck)[0],
+        f"{prefix}.in_proj_z.weight": lambda ck: qkvz(ck)[1],
+        f"{prefix}.in_proj_b.weight": lambda ck: ba(ck)[0],
+        f"{prefix}.in_proj_a.weight": lambda ck: ba(ck)[1],
+    }
+
+
+def _plan(model: HybridModel, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[int]]]:
+    """For every model parameter, how to read it; and every checkpoint tensor this reads, with its shape."""
+    cfg = model.config
+    names = ck.names()
+    sources: dict[str, Callable] = {}
+    expected: dict[str, list[int]] = {}
+    hidden = cfg.hidden_size
+    for name, param in model.state_dict().items():
+        shape = list(param.shape)
+        gdn = re.match(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$", name)
+        experts = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if gdn and f"{gdn.group(1)}.in_proj_qkvz.weight" in names:
+            prefix = gdn.group(1)
+            sources[name] = _qwen3_next_gdn_sources(cfg, prefix)[name]
+            hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            r = cfg.linear_num_value_heads // hk
+            expected[f"{prefix}.in_proj_qkvz.weight"] = [hk * (2 * dk + 2 * r * dv), hidden]
+            expected[f"{prefix}.in_proj_ba.weight"] = [hk * 2 * r, hidden]
+        elif experts and name not in names and f"{experts.group(1)}.0.down_proj.weight" in names:
+            prefix, which = experts.groups()
+            n_exp, inner = cfg.num_experts, cfg.moe_intermediate_size
+            if which == "gate_up_proj":
+                for e in range(n_exp):
+                    expected[f"{prefix}.{e}.gate_proj.weight"] = [inner, hidden]
+                    expected[f"{prefix}.{e}.up_proj.weight"] = [inner, hidden]
+                sources[name] = lambda ck, p=prefix, n=n_exp: torch.stack([
+                    torch.cat([ck.get(f"{p}.{e}.gate_proj.weight"), ck.get(f"{p}.{e}.up_proj.weight")])
+                    for e in range(n)])
+            else:
+                for e in range(n_exp):
+                    expected[f"{prefix}.{e}.down_proj.weight"] = [hidden, inner]
+                sources[name] = lambda ck, p=prefix, n=n_exp: torch.stack(
+                    [ck.get(f"{p}.{e}.down_proj.weight") for e in range(n)])
+        else:
+            expected[name] = shape
+            sources[name] = lambda ck, n=name: ck.get(n)
+    return sources, expected
+
+
+def load_weights(model: HybridModel, model_dir: str | Path) -> None:
+    """Fills every parameter of `model` from the checkpoint in `model_dir` (converting dtype and layout)."""
+    ck = Checkpoint(model_dir)
+    sources, expected = _plan(model, ck)
+    present = ck.names()
+    problems = []
+    for name in sorted(expected):
+        if name not in present:
+            problems.append(f"missing tensor {name!r} (expected shape {expected[name]})")
+        elif ck.shape(name) != expected[name]:
+            problems.append(f"tensor {name!r} has shape {ck.shape(name)}, expected {expected[name]}")
+    tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
+    for name in sorted(present - set(expected)):
+        if name.startswith(SKIPPED_PREFIXES) or (tied_head and name == "lm_head.weight"):
+            continue
+        problems.append(f"unexpected tensor {name!r} (not used by a {model.config.model_type} model with this config)")
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise WeightsError(f"checkpoint {model_dir} does not match its config.json:\n  {shown}")
+    params = model.state_dict()
+    with torch.no_grad():
+        for name, read in sources.items():
+            params[name].copy_(read(ck).to(params[name].dtype))
+
+
+def save_weights(model: HybridModel, model_dir: str | Path) -> None:
+    """Writes `model.safetensors` in the canonical layout (fused experts, split GDN projections)."""
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    save_file(tensors, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
