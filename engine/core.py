@@ -17,13 +17,10 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_
 from scheduler.memory import MemoryManager
 from scheduler.request import Request, RequestStats
 from scheduler.scheduler import Scheduler
-from scheduler.types import InvalidRequest, SamplingParams
+from scheduler.types import InvalidRequest, SamplingParams, StepRequest
 from workers.cache import ModelCache
 from workers.config import ModelConfig
-from workers.model import HybridModel
-from workers.runner import ModelRunner
-from workers.sampling import make_generator, sample
-from workers.weights import load_weights
+from engine.executor import LocalExecutor, WorkerSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -65,10 +62,9 @@ class StepOutput:
 
 @dataclass
 class _Live:
-    """Engine-side state of a request beside the scheduler's Request: sampling and detokenization."""
+    """Engine-side state of a request beside the scheduler's Request: its detokenization."""
 
     request: Request
-    generator: torch.Generator | None
     detok: IncrementalDetokenizer
     text: str = ""  # text decoded so far (stop strings are searched here)
     emitted_chars: int = 0
@@ -84,14 +80,12 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         dtype, device = DTYPES[config.dtype], torch.device(config.device)
-        self.model = HybridModel(self.model_config, dtype, device)
-        load_weights(self.model, model_dir)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 32768)
         num_pages = config.num_pages or self._auto_num_pages(dtype, device)
-        self.cache = ModelCache(self.model_config, num_pages, config.page_size, config.max_running, dtype, device)
         self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
         self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.executor = LocalExecutor(WorkerSpec(str(model_dir), config.dtype, config.device, num_pages,
+                                                 config.page_size, config.max_running))
         self.live: dict[str, _Live] = {}
 
     def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
@@ -130,14 +124,14 @@ class EngineCore:
             self.scheduler.add(request)
         except ValueError as e:
             raise InvalidRequest(str(e), "max_new_tokens") from e
-        self.live[request_id] = _Live(request, make_generator(params.seed, self.model.device),
-                                      IncrementalDetokenizer(self.tokenizer))
+        self.live[request_id] = _Live(request, IncrementalDetokenizer(self.tokenizer))
         return request
 
     def abort(self, request_id: str) -> None:
         live = self.live.pop(request_id, None)
         if live is not None and not live.request.finished:
             self.scheduler.finish(live.request, "abort")
+            self.executor.release([request_id])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -147,19 +141,18 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
-        tokens = [c.request.all_ids[c.start:c.start + c.num_tokens] for c in plan.chunks]
-        ids = [c.request.request_id for c in plan.chunks]
-        tables = [self.memory.table(i) for i in ids]
-        logits = self.runner.execute(tokens, [c.start for c in plan.chunks], [t.pages for t in tables],
-                                     [t.slot for t in tables])  # [B, V]
+        work = []
+        for c in plan.chunks:
+            table = self.memory.table(c.request.request_id)
+            work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens],
+                                    c.start, list(table.pages), table.slot, c.completes, c.request.params))
+        result = self.executor.execute(work)
         self.scheduler.commit(plan)
-        sampling_rows = [i for i, c in enumerate(plan.chunks) if c.completes]
-        if not sampling_rows:
-            return []
-        reqs = [plan.chunks[i].request for i in sampling_rows]
-        lives = [self.live[r.request_id] for r in reqs]
-        new_ids = sample(logits[sampling_rows], [r.params for r in reqs], [lv.generator for lv in lives]).tolist()
-        return [self._append(lv, [tok]) for lv, tok in zip(lives, new_ids)]
+        outputs = [self._append(self.live[rid], toks) for rid, toks in result.new_tokens.items()]
+        finished = [o.request_id for o in outputs if o.finished]
+        if finished:
+            self.executor.release(finished)
+        return outputs
 
     def _append(self, live: _Live, new_ids: list[int]) -> StepOutput:
         """Adds sampled tokens to a request, applies the stop conditions, returns what to stream."""

@@ -99,3 +99,24 @@ class SamplingParams:
         object.__setattr__(self, "stop", list(stop))
         object.__setattr__(self, "seed", None if seed is None else int(seed))
         return self
+
+
+@dataclass
+class StepRequest:
+    """What the worker needs to run one request's part of a step (plain data: crosses to a Ray actor)."""
+
+    request_id: str
+    tokens: list[int]  # new tokens fed this step
+    context_len: int  # tokens already cached (KV pages and GDN state)
+    pages: list[int]  # KV pages, in token order, covering context_len + len(tokens)
+    slot: int  # GDN state slot
+    sample: bool  # sample the next token after this step (False for a non-final prefill chunk)
+    params: SamplingParams
+
+
+@dataclass
+class StepResult:
+    """Per request that sampled: the new token ids, in order."""
+
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    step_ms: float = 0.0  # time the worker spent on the step
