@@ -5,7 +5,9 @@ Per value head h (k-head h // (HV / HK)), per token t, with the state S [DK, DV]
     S <- S + k_t (beta_t (v_t - S^T k_t))^T
     o_t = S^T (q_t * scale)
 q and k are L2-normalised first when `use_qk_l2norm`. Each request starts from its slot of `state`
-[S, HV, DK, DV]; with `write_state` its slot ends as the state after its last token.
+[S, HV, DK, DV]; with `write_state` (True, or a [B] bool mask choosing requests) its slot ends as the
+state after its last token. Verification runs with write_state False and keeps (k, v, g, beta); the commit
+(`gdn_commit_ref`) then replays each request's first `keep_lens[i]` tokens onto its untouched slot.
 
 Padding a request with tokens whose beta = 0 and g = 0 leaves its state unchanged, which is how the padded
 references below treat ragged batches.
@@ -20,6 +22,7 @@ from torch import Tensor
 from kernels.ragged import padded_index, to_padded
 
 CHUNK_SIZE = 64
+CHUNKED_FORM_MIN_LEN = 33  # gdn_ref uses the chunked form for blocks at least this long
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -64,9 +67,15 @@ def gdn_recurrent_ref(
         delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
         s = s + k[:, :, t, :, None] * delta[:, :, None, :]
         out[:, :, t] = (s * q[:, :, t, :, None]).sum(dim=-2)
-    if write_state:
-        state[slots] = s.to(state.dtype)
+    _write(state, slots, s, write_state)
     return out.transpose(1, 2)[valid].to(out_dtype)
+
+
+def _write(state: Tensor, slots: Tensor, s: Tensor, write_state: bool | Tensor) -> None:
+    if isinstance(write_state, Tensor):
+        state[slots[write_state]] = s[write_state].to(state.dtype)
+    elif write_state:
+        state[slots] = s.to(state.dtype)
 
 
 def gdn_chunk_ref(
@@ -111,13 +120,38 @@ def gdn_chunk_ref(
         v_new = u[:, :, i] - w[:, :, i] @ s
         out[:, :, i] = q[:, :, i] @ s + attn[:, :, i] @ v_new
         s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    if write_state:
-        state[slots] = s.to(state.dtype)
+    _write(state, slots, s, write_state)
     out = out.reshape(bsz, heads, -1, dim_v)[:, :, :length]  # [B, HV, T, DV]
     return out.transpose(1, 2)[valid].to(out_dtype)
 
 
 def gdn_ref(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale=None, use_qk_l2norm=True, write_state=True):
     """Picks the recurrent form for short blocks (decode, verification) and the chunked form for prefill."""
-    fn = gdn_recurrent_ref if max_len <= 32 else gdn_chunk_ref
+    fn = gdn_recurrent_ref if max_len < CHUNKED_FORM_MIN_LEN else gdn_chunk_ref
     return fn(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm, write_state)
+
+
+def gdn_commit_ref(
+    k: Tensor,  # [N, HK, DK] the verified block's keys (before L2 norm, as the forward got them)
+    v: Tensor,  # [N, HV, DV]
+    g: Tensor,  # [N, HV]
+    beta: Tensor,  # [N, HV]
+    cu_seqlens: Tensor,  # [B+1] int32 the block of each request
+    keep_lens: Tensor,  # [B] int64 tokens of each block to commit (0..T_i)
+    state: Tensor,  # [S, HV, DK, DV] fp32 pool, still holding S_0 of every request
+    slots: Tensor,  # [B] int64
+    max_len: int,
+    use_qk_l2norm: bool = True,
+) -> None:
+    """S_0 -> S_a: advances each request's state over exactly its first keep_lens[i] tokens.
+
+    Tokens past the kept prefix get beta = 0 and g = 0, which leaves the state as it is.
+    """
+    pos = torch.arange(k.shape[0], device=k.device) - torch.repeat_interleave(
+        cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long())  # [N] index inside the block
+    owner_keep = torch.repeat_interleave(keep_lens.long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long())  # [N]
+    kept = (pos < owner_keep)[:, None]  # [N, 1]
+    g = torch.where(kept, g.float(), 0.0)
+    beta = torch.where(kept, beta.float(), 0.0)
+    fn = gdn_recurrent_ref if max_len < CHUNKED_FORM_MIN_LEN else gdn_chunk_ref
+    fn(k, k, v, g, beta, cu_seqlens, state, slots, max_len, None, use_qk_l2norm, True)

@@ -2,9 +2,11 @@
 
 Every builder makes the model with transformers (`Qwen3NextForCausalLM` / `Qwen3_5MoeForCausalLM`), re-draws
 every parameter at a scale where each layer matters, and writes the directory with `save_pretrained` (plus a
-small `tokenizer.json`). transformers' own init (std 0.02 matrices, zero-centred norms at 0) makes every
-decoder layer almost the identity, so a model that got a layer wrong would still match; `rerandomize_`
-avoids that, and tests/test_model_vs_transformers.py checks that each layer moves the logits.
+small `tokenizer.json`). transformers' own init (std 0.02 matrices, zero-centred norms at 0, router 0.02)
+leaves every activation tiny: SiLU and the gates work in their linear range and routing is near uniform, so a
+model that got a nonlinearity or a routing detail wrong could still match. `rerandomize_` draws weights at
+unit-variance scales instead, and tests/test_model_vs_transformers.py checks that every layer moves the logits,
+that routing varies between tokens and that the GDN state remembers past one 64-token chunk.
 
 Variants (each a new directory holding the same weights as the checkpoint it derives from):
 - `shard(src, dst)`: save_pretrained with a tiny max_shard_size (model.safetensors.index.json + shards);
@@ -164,6 +166,17 @@ def load_hf(directory: str | Path):
         raise ValueError(f"load_hf: no transformers class for model_type {config['model_type']!r}")
     model = cls.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def load_ours(directory: str | Path):
+    """Our HybridModel (fp32, CPU) for a checkpoint directory, filled by workers.weights.load_weights."""
+    from workers.config import ModelConfig
+    from workers.model import HybridModel
+    from workers.weights import load_weights
+
+    model = HybridModel(ModelConfig.from_dir(directory), torch.float32, "cpu")
+    load_weights(model, directory)
+    return model
 
 
 # ------------------------------------------------------------------------------------------- variants

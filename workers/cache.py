@@ -59,3 +59,27 @@ class ModelCache:
     def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return len(config.attention_layers) * 2 * config.num_key_value_heads * config.head_dim * elem
+
+
+@dataclass
+class GDNScratch:
+    """One GDN layer's block inputs from a verification forward, kept until the commit (a few KB/token)."""
+
+    conv_in: Tensor  # [N, conv_dim] inputs of the short conv
+    k: Tensor  # [N, HK, DK] keys after the conv (before L2 norm)
+    v: Tensor  # [N, HV, DV]
+    g: Tensor  # [N, HV] fp32 log decay
+    beta: Tensor  # [N, HV]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv_in, self.k, self.v, self.g, self.beta))
+
+
+@dataclass
+class StepScratch:
+    """Per-step scratch of every GDN layer (by layer index). Its size is O(tokens in the step)."""
+
+    layers: dict[int, GDNScratch]
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers.values())

@@ -19,6 +19,21 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
 
+# What transformers' config classes use for an absent field (Qwen3NextConfig, Qwen3_5MoeTextConfig).
+_COMMON_DEFAULTS = {
+    "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+}
+TRANSFORMERS_DEFAULTS = {
+    "qwen3_next": {**_COMMON_DEFAULTS, "vocab_size": 151936, "num_hidden_layers": 48, "num_experts": 512,
+                   "num_experts_per_tok": 10, "intermediate_size": 5632},
+    "qwen3_5_moe_text": {**_COMMON_DEFAULTS, "vocab_size": 248320, "num_hidden_layers": 40, "num_experts": 256,
+                         "num_experts_per_tok": 8},
+}
+
+
 class ConfigError(ValueError):
     """config.json is missing a field, has an unsupported value, or is inconsistent."""
 
@@ -115,16 +130,24 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         if raw.get("model_type") == "qwen3_5_moe" and isinstance(raw.get("text_config"), dict):
-            top_eos = raw.get("eos_token_id")
+            # the multimodal wrapper: its text model, tied (or not) as the top level says, as transformers does
+            top = raw
             raw = dict(raw["text_config"], model_type="qwen3_5_moe_text")
-            raw.setdefault("eos_token_id", top_eos)
+            raw["tie_word_embeddings"] = bool(top.get("tie_word_embeddings", False))
+            if raw.get("eos_token_id") is None:
+                raw["eos_token_id"] = top.get("eos_token_id")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"config.json: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
 
+        defaults = TRANSFORMERS_DEFAULTS[model_type]
+
         def get(name: str, default=None):
+            """The field, else transformers' default for this model type, else an error naming it."""
             if name in raw and raw[name] is not None:
                 return raw[name]
+            if default is None:
+                default = defaults.get(name)
             if default is None:
                 raise ConfigError(f"config.json: required field {name!r} is missing")
             return default
@@ -142,7 +165,7 @@ class ModelConfig:
         partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads"))
-        num_experts = int(get("num_experts", 0)) if "num_experts" in raw else 0
+        num_experts = int(get("num_experts"))
         if model_type == "qwen3_next":
             mlp_only = set(raw.get("mlp_only_layers") or [])
             step = int(raw.get("decoder_sparse_step", 1))
@@ -163,8 +186,8 @@ class ModelConfig:
             layer_types=list(layer_types),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", heads)),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            num_key_value_heads=int(get("num_key_value_heads")),
+            head_dim=int(get("head_dim")),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             max_position_embeddings=int(get("max_position_embeddings", 32768)),
@@ -173,14 +196,14 @@ class ModelConfig:
             linear_num_value_heads=int(get("linear_num_value_heads")),
             linear_key_head_dim=int(get("linear_key_head_dim")),
             linear_value_head_dim=int(get("linear_value_head_dim")),
-            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
             num_experts=num_experts,
-            num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
-            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
+            num_experts_per_tok=int(get("num_experts_per_tok")),
+            moe_intermediate_size=int(get("moe_intermediate_size")),
+            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")),
             norm_topk_prob=norm_topk,
             moe_layers=moe_layers,
-            intermediate_size=int(raw.get("intermediate_size") or 0),
+            intermediate_size=int(get("intermediate_size")) if model_type == "qwen3_next" else 0,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             hidden_act=str(raw.get("hidden_act", "silu")),

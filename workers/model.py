@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.attention import paged_attention_ref, write_kv_ref
-from kernels.conv import causal_conv1d_ref
-from kernels.gdn import gdn_ref
+from kernels.conv import causal_conv1d_ref, conv_commit_ref
+from kernels.gdn import gdn_commit_ref, gdn_ref
 from kernels.moe import fused_moe_ref, route_ref
 from kernels.norm import gated_rmsnorm_ref, rmsnorm_ref
 from workers.batch import ForwardBatch
-from workers.cache import AttentionKV, GDNState, ModelCache
+from workers.cache import AttentionKV, GDNScratch, GDNState, ModelCache, StepScratch
 from workers.config import FULL_ATTENTION, ModelConfig
 
 
@@ -120,17 +120,23 @@ class GatedDeltaNet(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.out_proj = Linear(self.value_dim, hidden, dtype, device)
 
-    def forward(self, x: Tensor, batch: ForwardBatch, state: GDNState) -> Tensor:
+    def forward(self, x: Tensor, batch: ForwardBatch, state: GDNState, write: bool | Tensor = True,
+                scratch: dict | None = None, layer_index: int = -1) -> Tensor:
+        """`write`: True, or a [B] mask of the requests whose state this forward advances; the others keep
+        S_0 and their block inputs go into `scratch[layer_index]` for the commit."""
         n = x.shape[0]
-        mixed = causal_conv1d_ref(self.in_proj_qkv(x), self.conv1d.weight[:, 0, :], batch.cu_seqlens,
-                                  state.conv, batch.state_slots, batch.max_query_len)  # [N, conv_dim]
+        conv_in = self.in_proj_qkv(x)  # [N, conv_dim]
+        mixed = causal_conv1d_ref(conv_in, self.conv1d.weight[:, 0, :], batch.cu_seqlens, state.conv,
+                                  batch.state_slots, batch.max_query_len, write)  # [N, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
         v = v.reshape(n, self.hv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))  # [N, HV]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, HV] log decay
         o = gdn_ref(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
-                    batch.max_query_len)  # [N, HV, DV]
+                    batch.max_query_len, write_state=write)  # [N, HV, DV]
+        if scratch is not None:
+            scratch[layer_index] = GDNScratch(conv_in, k, v, g, beta)
         z = self.in_proj_z(x).view(n, self.hv, self.dv)
         o = gated_rmsnorm_ref(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(n, self.value_dim))
@@ -193,12 +199,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x: Tensor, batch: ForwardBatch, state, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, batch: ForwardBatch, state, cos: Tensor, sin: Tensor,
+                write: bool | Tensor = True, scratch: dict | None = None, layer_index: int = -1) -> Tensor:
         h = self.input_layernorm(x)
         if self.kind == FULL_ATTENTION:
             h = self.self_attn(h, batch, state, cos, sin)
         else:
-            h = self.linear_attn(h, batch, state)
+            h = self.linear_attn(h, batch, state, write, scratch, layer_index)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -224,15 +231,39 @@ class HybridModel(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows: Tensor | None = None) -> Tensor:
-        """Runs every request's new tokens against its cached state, updating KV pages and GDN slots.
+    def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows: Tensor | None = None,
+                write: bool | Tensor = True, scratch: StepScratch | None = None) -> Tensor:
+        """Runs every request's new tokens against its cached state and returns logits [M, V] for the flat
+        rows in `logit_rows` (default: every request's last token).
 
-        Returns logits [M, V] for the flat rows in `logit_rows` (default: every request's last token).
+        KV of every new token is written to its pages (rollback = the length moves back). GDN state and conv
+        windows advance only for requests selected by `write` (True = all, or a [B] bool mask); the others
+        are left at S_0 with their block inputs in `scratch`, to be advanced by `commit`.
         """
+        if scratch is None and not (write is True):
+            raise ValueError("a forward that does not write every request's GDN state needs a StepScratch")
         x = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [N, H]
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
-        for layer, state in zip(self.model.layers, cache.layers):
-            x = layer(x, batch, state, cos, sin)
+        layers_scratch = scratch.layers if scratch is not None else None
+        for i, (layer, state) in enumerate(zip(self.model.layers, cache.layers)):
+            x = layer(x, batch, state, cos, sin, write, layers_scratch, i)
         rows = batch.last_token_rows() if logit_rows is None else logit_rows
         h = self.model.norm(x[rows])
         return F.linear(h, self.lm_head_weight())
+
+    @torch.inference_mode()
+    def commit(self, batch: ForwardBatch, cache: ModelCache, scratch: StepScratch, keep_lens: Tensor,
+               written: bool | Tensor = False) -> None:
+        """S_0 -> S_a for every request the forward did not write: replays its first keep_lens[i] tokens
+        (0..T_i) onto its GDN states and conv windows. Requests in `written` are left alone."""
+        keep = keep_lens.long().clone()
+        if isinstance(written, Tensor):
+            keep[written] = 0  # a zero-length replay leaves an already advanced state as it is
+        elif written:
+            return
+        for i, block in scratch.layers.items():
+            state = cache.layers[i]
+            gdn_commit_ref(block.k, block.v, block.g, block.beta, batch.cu_seqlens, keep, state.recurrent,
+                           batch.state_slots, batch.max_query_len)
+            conv_commit_ref(block.conv_in, batch.cu_seqlens, keep, state.conv, batch.state_slots,
+                            batch.max_query_len)

@@ -103,6 +103,11 @@ def _qwen3_next_gdn_sources(cfg: ModelConfig, prefix: str) -> dict[str, Callable
     }
 
 
+def _has_fused_experts(prefix: str, names: set[str]) -> bool:
+    """A layer's experts are read fused when either 3-D tensor is there; otherwise per expert."""
+    return f"{prefix}.gate_up_proj" in names or f"{prefix}.down_proj" in names
+
+
 def _plan(model: HybridModel, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[int]]]:
     """For every model parameter, how to read it; and every checkpoint tensor this reads, with its shape."""
     cfg = model.config
@@ -114,14 +119,17 @@ def _plan(model: HybridModel, ck: Checkpoint) -> tuple[dict[str, Callable], dict
         shape = list(param.shape)
         gdn = re.match(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$", name)
         experts = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
-        if gdn and f"{gdn.group(1)}.in_proj_qkvz.weight" in names:
+        split_present = gdn and any(f"{gdn.group(1)}.in_proj_{w}.weight" in names for w in ("qkv", "z", "b", "a"))
+        fused_gdn = gdn and (f"{gdn.group(1)}.in_proj_qkvz.weight" in names or f"{gdn.group(1)}.in_proj_ba.weight"
+                             in names or (cfg.model_type == "qwen3_next" and not split_present))
+        if fused_gdn:
             prefix = gdn.group(1)
             sources[name] = _qwen3_next_gdn_sources(cfg, prefix)[name]
             hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
             r = cfg.linear_num_value_heads // hk
             expected[f"{prefix}.in_proj_qkvz.weight"] = [hk * (2 * dk + 2 * r * dv), hidden]
             expected[f"{prefix}.in_proj_ba.weight"] = [hk * 2 * r, hidden]
-        elif experts and name not in names and f"{experts.group(1)}.0.down_proj.weight" in names:
+        elif experts and name not in names and not _has_fused_experts(experts.group(1), names):
             prefix, which = experts.groups()
             n_exp, inner = cfg.num_experts, cfg.moe_intermediate_size
             if which == "gate_up_proj":
