@@ -230,3 +230,22 @@ def test_random_step_sequences_match_plain_decoding_and_free_everything(model, s
         h.finish(rid)
     stats = h.memory.stats()
     assert stats["used_pages"] == 0 and stats["used_slots"] == 0 and stats["running_requests"] == 0
+
+
+def test_gdn_state_bytes_per_request_are_the_same_for_max_verification_length_4_and_16(model):
+    """One state per request whatever the verification length; the block scratch is O(tokens) and per step."""
+    per_request, scratch_per_token = [], []
+    for max_verify in (4, 16):
+        h = Harness(model)
+        h.admit("a", [1, 2, 3])
+        h.step({"a": ([], 0)}, random.Random(0))
+        table = h.memory.table("a")
+        block = list(range(max_verify + 1))
+        h.memory.grow("a", 3 + len(block))
+        batch = ForwardBatch.build([block], [3], [table.pages], [table.slot], "cpu")
+        scratch = StepScratch({})
+        model(batch, h.cache, torch.arange(len(block)), write=torch.tensor([False]), scratch=scratch)
+        per_request.append(h.cache.gdn_bytes_per_request())
+        scratch_per_token.append(scratch.nbytes() / len(block))
+    assert per_request[0] == per_request[1] == model.config.gdn_state_bytes()
+    assert scratch_per_token[0] == scratch_per_token[1]  # scratch grows with L, linearly, and only per step

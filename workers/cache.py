@@ -55,6 +55,16 @@ class ModelCache:
                 layer.recurrent[idx] = 0
                 layer.conv[idx] = 0
 
+    def gdn_bytes_per_request(self) -> int:
+        """Persistent GDN bytes one request holds: one recurrent state and one conv window per GDN layer
+        (independent of the verification length: drafts live only in the per-step scratch)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, GDNState):
+                total += layer.recurrent[0].numel() * layer.recurrent.element_size()
+                total += layer.conv[0].numel() * layer.conv.element_size()
+        return total
+
     @staticmethod
     def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
