@@ -25,6 +25,7 @@ class ScheduledChunk:
     request: Request
     start: int  # first token index (into request.all_ids) fed this step == tokens already cached
     num_tokens: int  # tokens fed this step
+    draft_cap: int = 0  # a decode may also verify up to this many drafted tokens (pages reserved)
 
     @property
     def completes(self) -> bool:
@@ -43,10 +44,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, memory: MemoryManager, max_running: int, max_step_tokens: int, max_model_len: int):
+    def __init__(self, memory: MemoryManager, max_running: int, max_step_tokens: int, max_model_len: int,
+                 max_draft: int = 0):
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError("max_step_tokens and max_running must be >= 1")
         self.memory = memory
+        self.max_draft = max_draft  # longest verification a decode may get (0 = no speculation)
         self.max_running, self.max_step_tokens, self.max_model_len = max_running, max_step_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (oldest first)
@@ -99,9 +102,12 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            self.memory.grow(request.request_id, request.num_computed + n)
-            plan.chunks.append(ScheduledChunk(request, request.num_computed, n))
-            budget -= n
+            cap = self._draft_cap(request, budget - n) if n == request.num_uncomputed == 1 else 0
+            while cap and not self.memory.can_grow(request.request_id, request.num_computed + 1 + cap):
+                cap -= 1  # fewer drafts before anyone is preempted for them
+            self.memory.grow(request.request_id, request.num_computed + n + cap)
+            plan.chunks.append(ScheduledChunk(request, request.num_computed, n, cap))
+            budget -= n + cap
         # 2. waiting requests in arrival order while memory, slots and the token budget allow
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not plan.preempted:
             request = self.waiting[0]
@@ -116,6 +122,13 @@ class Scheduler:
             budget -= n
         return plan
 
+    def _draft_cap(self, request: Request, budget: int) -> int:
+        """Drafts a decode may verify: the configured maximum, within the request's remaining tokens, the
+        model's length limit and the step's token budget."""
+        remaining = request.params.max_new_tokens - len(request.output_ids)
+        room = self.max_model_len - request.num_tokens
+        return max(0, min(self.max_draft, remaining - 1, room - 1, budget))
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.memory.release(request.request_id)
         self.running.remove(request)
@@ -125,7 +138,12 @@ class Scheduler:
         self.waiting.appendleft(request)
         plan.preempted.append(request)
 
-    def commit(self, plan: StepPlan) -> None:
-        """Marks the planned tokens as cached (called after the step ran)."""
+    def commit(self, plan: StepPlan, accepted: dict[str, int] | None = None) -> None:
+        """Marks the step's tokens as cached (called after it ran). A decode that verified drafts keeps its
+        token plus the accepted drafts; the pages reserved for rejected ones go back."""
+        accepted = accepted or {}
         for chunk in plan.chunks:
-            chunk.request.num_computed = chunk.start + chunk.num_tokens
+            request = chunk.request
+            request.num_computed = chunk.start + chunk.num_tokens + accepted.get(request.request_id, 0)
+            if chunk.draft_cap and request.status is RequestStatus.RUNNING:
+                self.memory.shrink(request.request_id, request.num_computed)

@@ -112,6 +112,8 @@ class StepRequest:
     slot: int  # GDN state slot
     sample: bool  # sample the next token after this step (False for a non-final prefill chunk)
     params: SamplingParams
+    draft_cap: int = 0  # a decode may verify up to this many drafted tokens (pages are reserved for them)
+    all_tokens: list[int] = field(default_factory=list)  # the whole sequence so far, for drafters (decodes only)
 
 
 @dataclass
@@ -119,4 +121,6 @@ class StepResult:
     """Per request that sampled: the new token ids, in order."""
 
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    draft_tokens: dict[str, int] = field(default_factory=dict)  # drafted tokens verified, per request
+    accepted_tokens: dict[str, int] = field(default_factory=dict)  # of those, accepted
     step_ms: float = 0.0  # time the worker spent on the step

@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# The test models are tiny: one thread avoids oversubscribing CI's 2 cores (2 threads on a busy 2-core
+# machine made a 70-token forward ~100x slower than 1 thread).
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "tests")):

@@ -1,0 +1,199 @@
+"""Speculative decoding is lossless: greedy output with any drafter and policy equals greedy output without
+speculation, token for token (fp32); sampled output follows the same distribution."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.default_model import DEFAULT_CONFIG, default_model_dir
+from engine.tokenizer import write_byte_tokenizer
+from workers.config import ModelConfig
+from workers.model import HybridModel
+from workers.random_init import init_random_
+from workers.weights import load_weights, save_weights
+
+# 9 concurrent requests of different prompt and output lengths, some with repetition for the n-gram drafter
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\nimport sys\nimport os\nimport sys\n",
+    "x",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4],
+    "class A:\n    def __init__(self):\n        self.a = 1\n",
+    "abcabcabcabc",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    [200] * 40,
+]
+MAX_NEW = [24, 17, 30, 9, 26, 12, 21, 15, 28]
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM()
+    return [r.token_ids for r in llm.generate(PROMPTS, [params(n) for n in MAX_NEW])]
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(tmp_path_factory) -> Path:
+    """A copy of the default model with noisy weights: its drafts are accepted only sometimes."""
+    src = default_model_dir()
+    out = tmp_path_factory.mktemp("perturbed")
+    cfg = ModelConfig.from_dir(src)
+    model = HybridModel(cfg)
+    load_weights(model, src)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.6 * p.std() * torch.randn(p.shape, generator=gen) if p.numel() > 1 else 0.0)
+    save_weights(model, out)
+    for name in ("config.json", "tokenizer.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    return out
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list]:
+    results = llm.generate(PROMPTS, [params(n) for n in MAX_NEW])
+    stats = llm.engine.memory.stats()
+    assert stats["used_pages"] == 0 and stats["used_slots"] == 0
+    return [r.token_ids for r in results], [r.stats for r in results]
+
+
+def test_draft_model_equal_to_target_accepts_everything_and_is_lossless(reference):
+    tokens, stats = run(LLM(spec="draft", policy="fixed", max_verify_len=5, draft_model=str(default_model_dir())))
+    assert tokens == reference
+    assert all(s.accepted_tokens == s.draft_tokens > 0 for s in stats)
+    assert sum(s.verify_steps for s in stats) < sum(MAX_NEW) / 3  # several tokens per verification
+
+
+def test_perturbed_draft_model_is_partly_accepted_and_lossless(reference, perturbed_dir):
+    tokens, stats = run(LLM(spec="draft", policy="fixed", max_verify_len=4, draft_model=str(perturbed_dir)))
+    assert tokens == reference
+    drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+    assert 0 < accepted < drafted
+
+
+def test_ngram_drafter_is_lossless(reference):
+    tokens, stats = run(LLM(spec="ngram", policy="fixed", max_verify_len=8))
+    assert tokens == reference
+    assert sum(s.draft_tokens for s in stats) > 0
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 0.9, 1.0])
+def test_replay_drafter_random_acceptance_patterns_are_lossless(reference, acceptance):
+    llm = LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=acceptance, max_step_tokens=24)
+    for prompt, ref in list(zip(PROMPTS, reference))[::2]:  # only some requests draft: mixed steps
+        llm.set_replay_reference(prompt, ref)
+    tokens, stats = run(llm)
+    assert tokens == reference
+    drafted = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    assert drafted > 0
+    assert all(s.draft_tokens == 0 for s in stats[1::2])  # requests without a reference never drafted
+    if acceptance == 1.0:
+        assert accepted == drafted
+    elif acceptance == 0.0:
+        assert accepted == 0
+    else:
+        assert 0 < accepted < drafted
+
+
+def test_requests_joining_mid_stream_with_chunked_prefill_are_lossless(reference):
+    """A small step budget: long prompts are prefilled in chunks while other requests verify drafts."""
+    llm = LLM(spec="draft", policy="fixed", max_verify_len=3, draft_model=str(default_model_dir()),
+              max_step_tokens=7)
+    tokens, _ = run(llm)
+    assert tokens == reference
+
+
+def test_ar_policy_never_drafts(reference):
+    tokens, stats = run(LLM(spec="ngram", policy="ar"))
+    assert tokens == reference and all(s.draft_tokens == 0 for s in stats)
+
+
+# ---- sampling: the distribution of the first two tokens ------------------------------------------------
+
+TINY_VOCAB = 12
+
+
+def _tiny_dir(root: Path, seed: int) -> Path:
+    cfg = dict(DEFAULT_CONFIG, vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=2,
+               layer_types=["linear_attention", "full_attention"], head_dim=8, linear_key_head_dim=8,
+               linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               shared_expert_intermediate_size=16, eos_token_id=None)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    save_weights(init_random_(HybridModel(ModelConfig.from_dict(cfg)), seed, matrix_gain=2.0), root)
+    write_byte_tokenizer(root)
+    return root
+
+
+def _exact_pair_distribution(model_dir: Path, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(t1, t2) from the model itself, [V, V]."""
+    llm = LLM(model=str(model_dir))
+    runner = llm.engine.executor.runner
+    from workers.batch import ForwardBatch
+
+    probs = torch.zeros(TINY_VOCAB, TINY_VOCAB, dtype=torch.float64)
+    cache = runner.cache
+    for t1 in range(TINY_VOCAB):
+        seq = prompt + [t1]
+        cache.reset_slots([0])
+        batch = ForwardBatch.build([seq], [0], [list(range(8))], [0], "cpu")
+        logits = runner.model(batch, cache, torch.arange(len(seq) - 2, len(seq)))
+        p = torch.softmax(logits.double() / temperature, dim=-1)
+        probs[t1] = p[0, t1] * p[1]
+    return probs
+
+
+def _chi_square_p(observed: Counter, expected: torch.Tensor, n: int) -> float:
+    """Goodness of fit with cells of expected count < 5 pooled."""
+    exp = (expected.flatten() * n).tolist()
+    obs = [observed.get(i, 0) for i in range(len(exp))]
+    big = [i for i, e in enumerate(exp) if e >= 5]
+    chi2 = sum((obs[i] - exp[i]) ** 2 / exp[i] for i in big)
+    rest_e = sum(e for i, e in enumerate(exp) if i not in set(big))
+    rest_o = sum(o for i, o in enumerate(obs) if i not in set(big))
+    dof = len(big) - 1
+    if rest_e > 0:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+        dof += 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2.0, dtype=torch.float64)))
+
+
+def test_sampled_first_two_tokens_follow_the_target_distribution_with_speculation(tmp_path):
+    target, draft = _tiny_dir(tmp_path / "target", 11), _tiny_dir(tmp_path / "draft", 12)
+    prompt, temperature, n = [1, 2, 3], 1.0, 3000
+    expected = _exact_pair_distribution(target, prompt, temperature)
+    # 3 tokens: the first comes from the prefill, the second from a verification of one draft
+    sp = [SamplingParams(temperature=temperature, max_new_tokens=3, seed=i) for i in range(n)]
+    pvalues = {}
+    for name, kwargs in {"off": {}, "draft": {"spec": "draft", "policy": "fixed", "draft_model": str(draft)},
+                         "ngram": {"spec": "ngram", "policy": "fixed"}}.items():
+        llm = LLM(model=str(target), max_verify_len=1, max_running=256, **kwargs)
+        out = llm.generate([prompt] * n, sp)
+        pairs = Counter(r.token_ids[0] * TINY_VOCAB + r.token_ids[1] for r in out)
+        pvalues[name] = _chi_square_p(pairs, expected, n)
+        if name == "draft":
+            stats = [r.stats for r in out]
+            drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+            assert 0 < accepted < drafted  # the rejection rule really ran, both ways
+    assert all(p > 0.01 for p in pvalues.values()), pvalues
+    # power: a slightly wrong temperature is detected
+    wrong = _exact_pair_distribution(target, prompt, 1.3)
+    llm = LLM(model=str(target), max_running=256)
+    out = llm.generate([prompt] * n, sp)
+    pairs = Counter(r.token_ids[0] * TINY_VOCAB + r.token_ids[1] for r in out)
+    assert _chi_square_p(pairs, wrong, n) < 0.01
+    assert math.isfinite(pvalues["off"])

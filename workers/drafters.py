@@ -1,0 +1,235 @@
+"""Drafters: propose(batch, k) -> tokens [B, k], acceptance estimates [B, k] (and draft probabilities).
+
+- `ngram`: prompt / context lookup, no weights.
+- `draft`: a small model loaded by this engine, with its own paged KV and GDN state that roll back exactly
+  like the target's (replay of the accepted drafts from a saved state).
+- `replay` (benchmarks only): proposes a given reference continuation, each token right with a set
+  probability, and spends a real drafter forward; rows that use it are labelled "replay acceptance".
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from scheduler.types import SamplingParams
+from workers.batch import ForwardBatch
+from workers.cache import GDNState, ModelCache, StepScratch
+from workers.model import HybridModel
+from workers.sampling import processed_probs
+
+
+@dataclass
+class DraftRequest:
+    """One request to draft for: its committed tokens and the pending one (last sampled, not yet cached)."""
+
+    request_id: str
+    token_ids: list[int]  # every token of the request so far, the pending one last
+    num_cached: int  # tokens in the target's cache (= len(token_ids) - 1 for a decode)
+    pages: list[int]  # target pages (the draft model mirrors them) covering num_cached + 1 + k
+    slot: int
+    k: int  # tokens to propose (the cap on this request's verification length)
+    params: SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # [B][k_i]
+    confidence: list[list[float]]  # [B][k_i] the drafter's estimate that each token is accepted
+    probs: list[Tensor | None] = field(default_factory=list)  # [B] of [k_i, V] draft distributions or None
+
+
+class Drafter:
+    name = "base"
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, requests: list[DraftRequest], accepted: list[int]) -> None:
+        """Told how many of each request's proposals were accepted (stateful drafters roll back here)."""
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests."""
+
+
+class NgramDrafter(Drafter):
+    """Finds the longest suffix (max_n down to min_n tokens) that occurred earlier in the request's tokens and
+    proposes what followed it. Confidence: a prior by match length, decaying with the position."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier occurrence
+                if tokens[start:start + n] == suffix:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        return follow, n
+        return [], 0
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        tokens, conf = [], []
+        for r in requests:
+            follow, n = self.lookup(r.token_ids, r.k) if r.k > 0 else ([], 0)
+            base = 1.0 - 0.5 ** n if n else 0.0  # longer matches are likelier to continue
+            tokens.append(follow)
+            conf.append([base * (0.9 ** j) for j in range(len(follow))])
+        return Proposal(tokens, conf, [None] * len(requests))
+
+
+class ReplayDrafter(Drafter):
+    """Benchmarks only. For a request whose prompt has a reference continuation, proposes the reference's next
+    tokens; each is kept right with probability `acceptance`, else replaced by a different token (so the
+    per-token acceptance of a greedy target that follows the reference is `acceptance`). Confidence is the
+    true probability plus noise. `cost_model` (optional) is run on the drafted block so a real drafter's
+    forward is spent."""
+
+    name = "replay"
+
+    def __init__(self, acceptance: float, vocab_size: int, seed: int = 0, noise: float = 0.1,
+                 cost_model: "DraftModelDrafter | None" = None):
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"replay acceptance must be in [0, 1], got {acceptance}")
+        self.acceptance, self.vocab, self.noise = acceptance, vocab_size, noise
+        self.rng = random.Random(seed)
+        self.references: dict[tuple[int, ...], list[int]] = {}
+        self.cost_model = cost_model
+
+    def set_reference(self, prompt_ids: list[int], continuation: list[int]) -> None:
+        self.references[tuple(prompt_ids)] = list(continuation)
+
+    def _reference_for(self, tokens: list[int]) -> list[int] | None:
+        for prompt, cont in self.references.items():
+            n = len(prompt)
+            if tuple(tokens[:n]) == prompt and tokens[n:] == cont[:len(tokens) - n]:
+                return cont[len(tokens) - n:]
+        return None
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        tokens, conf = [], []
+        for r in requests:
+            ahead = self._reference_for(r.token_ids) or []
+            out, c = [], []
+            for j in range(min(r.k, len(ahead))):
+                right = self.rng.random() < self.acceptance
+                tok = ahead[j] if right else (ahead[j] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                out.append(tok)
+                c.append(min(1.0, max(0.0, self.acceptance + self.rng.gauss(0.0, self.noise))))
+            tokens.append(out)
+            conf.append(c)
+        if self.cost_model is not None:
+            self.cost_model.spend_forward(requests, tokens)
+        return Proposal(tokens, conf, [None] * len(requests))
+
+
+class DraftModelDrafter(Drafter):
+    """A small model with the target's tokenizer. Its cache mirrors the target's page ids and slot ids; a
+    second bank of slots holds each request's last safe GDN state while it drafts, and `commit` restores it
+    and replays exactly the accepted drafts in one ragged forward (the target's rollback, by replay)."""
+
+    name = "draft"
+
+    def __init__(self, model: HybridModel, num_pages: int, page_size: int, num_slots: int):
+        self.model = model
+        self.num_slots = num_slots
+        self.cache = ModelCache(model.config, num_pages, page_size, 2 * num_slots, model.dtype, model.device)
+        self.cached: dict[str, int] = {}  # tokens of each request in the draft cache (its GDN state covers them)
+        self.drafted: dict[str, list[int]] = {}
+
+    def _forward(self, blocks: list[list[int]], contexts: list[int], requests: list[DraftRequest]) -> Tensor:
+        batch = ForwardBatch.build(blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
+                                   self.model.device)
+        return self.model(batch, self.cache)  # [B, V] at each block's last token; state advances
+
+    @staticmethod
+    def _sample(logits: Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[Tensor | None], list[float]]:
+        toks, probs, conf = [], [], []
+        for i, r in enumerate(requests):
+            if r.params.temperature == 0:
+                p = torch.softmax(logits[i].float(), dim=-1)
+                tok, dist = int(p.argmax()), None
+            else:
+                p = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
+                tok, dist = int(torch.multinomial(p, 1)), p
+            toks.append(tok)
+            probs.append(dist)
+            conf.append(float(p[tok]))
+        return toks, probs, conf
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        tokens = {r.request_id: [] for r in requests}
+        conf = {r.request_id: [] for r in requests}
+        probs: dict[str, list[Tensor]] = {r.request_id: [] for r in requests}
+        active = [r for r in requests if r.k > 0]
+        if active:
+            for r in active:
+                if r.request_id not in self.cached:
+                    self.cache.reset_slots([r.slot])
+                    self.cached[r.request_id] = 0
+            # catch up on everything not seen yet, up to and including the pending token (which is always kept)
+            logits = self._forward([r.token_ids[self.cached[r.request_id]:] for r in active],
+                                   [self.cached[r.request_id] for r in active], active)
+            for r in active:
+                self.cached[r.request_id] = len(r.token_ids)
+            self._copy_slots([r.slot for r in active], to_backup=True)
+            live = list(active)
+            for j in range(max(r.k for r in active)):
+                toks, dists, cs = self._sample(logits, live)
+                for r, t, d, c in zip(live, toks, dists, cs):
+                    tokens[r.request_id].append(t)
+                    conf[r.request_id].append(c)
+                    if d is not None:
+                        probs[r.request_id].append(d)
+                live = [r for r in live if len(tokens[r.request_id]) < r.k]
+                if not live:
+                    break
+                logits = self._forward([[tokens[r.request_id][-1]] for r in live],
+                                       [len(r.token_ids) + j for r in live], live)
+            for r in active:
+                self.drafted[r.request_id] = tokens[r.request_id]
+        return Proposal([tokens[r.request_id] for r in requests], [conf[r.request_id] for r in requests],
+                        [torch.stack(probs[r.request_id]) if probs[r.request_id] else None for r in requests])
+
+    def _copy_slots(self, slots: list[int], to_backup: bool) -> None:
+        for layer in self.cache.layers:
+            if isinstance(layer, GDNState):
+                idx = torch.tensor(slots, device=layer.recurrent.device)
+                src, dst = (idx, idx + self.num_slots) if to_backup else (idx + self.num_slots, idx)
+                layer.recurrent[dst] = layer.recurrent[src]
+                layer.conv[dst] = layer.conv[src]
+
+    def commit(self, requests: list[DraftRequest], accepted: list[int]) -> None:
+        """Back to the state after the pending token; then replay the accepted drafts the draft has already
+        fed itself (all but its last proposal), so its cache covers exactly the committed tokens."""
+        done = [(r, a) for r, a in zip(requests, accepted) if r.request_id in self.drafted]
+        if not done:
+            return
+        self._copy_slots([r.slot for r, _ in done], to_backup=False)
+        replay = [(r, self.drafted.pop(r.request_id)[:min(a, r.k - 1)]) for r, a in done]
+        replay = [(r, toks) for r, toks in replay if toks]
+        if replay:
+            self._forward([t for _, t in replay], [self.cached[r.request_id] for r, _ in replay],
+                          [r for r, _ in replay])
+            for r, toks in replay:
+                self.cached[r.request_id] += len(toks)
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.cached.pop(rid, None)
+            self.drafted.pop(rid, None)
+
+    def spend_forward(self, requests: list[DraftRequest], tokens: list[list[int]]) -> None:
+        """The replay drafter's cost: one forward of each drafted block through this model, keeping no state."""
+        blocks = [[r.token_ids[-1]] + t for r, t in zip(requests, tokens)]
+        batch = ForwardBatch.build(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
+                                   [r.slot for r in requests], self.model.device)
+        self.model(batch, self.cache, write=False, scratch=StepScratch({}))
