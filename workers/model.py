@@ -232,7 +232,8 @@ class HybridModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows: Tensor | None = None,
-                write: bool | Tensor = True, scratch: StepScratch | None = None) -> Tensor:
+                write: bool | Tensor = True, scratch: StepScratch | None = None,
+                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Runs every request's new tokens against its cached state and returns logits [M, V] for the flat
         rows in `logit_rows` (default: every request's last token).
 
@@ -248,6 +249,9 @@ class HybridModel(nn.Module):
         for i, (layer, state) in enumerate(zip(self.model.layers, cache.layers)):
             x = layer(x, batch, state, cos, sin, write, layers_scratch, i)
         rows = batch.last_token_rows() if logit_rows is None else logit_rows
+        if return_hidden:  # final-normed hidden state of every row (the MTP head's input)
+            hidden = self.model.norm(x)
+            return F.linear(hidden[rows], self.lm_head_weight()), hidden
         h = self.model.norm(x[rows])
         return F.linear(h, self.lm_head_weight())
 

@@ -87,8 +87,10 @@ class ModelRunner:
             rows.extend(range(first, starts[i + 1]))
         write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
         scratch = StepScratch({}) if drafts else None
-        logits = self.model(batch, self.cache, torch.tensor(rows, dtype=torch.long, device=self.device),
-                            write=True if scratch is None else write, scratch=scratch)
+        needs_hidden = getattr(self.drafter, "needs_hidden", False)
+        out = self.model(batch, self.cache, torch.tensor(rows, dtype=torch.long, device=self.device),
+                         write=True if scratch is None else write, scratch=scratch, return_hidden=needs_hidden)
+        logits, hidden = out if needs_hidden else (out, None)
         keep = [len(b) for b in blocks]
         accepted_counts = {}
         for i, (lo, hi) in spans.items():
@@ -104,6 +106,9 @@ class ModelRunner:
             self.model.commit(batch, self.cache, scratch, torch.tensor(keep, device=self.device), written=write)
         if draft_reqs:
             self.drafter.commit(draft_reqs, [accepted_counts.get(i, 0) if i in drafts else 0 for i in spec])
+        if hidden is not None:  # the MTP head pairs every committed token with the target's hidden state
+            self.drafter.observe([(r.request_id, blocks[i][:keep[i]], hidden[starts[i]:starts[i] + keep[i]],
+                                   r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 

@@ -108,7 +108,7 @@ def _has_fused_experts(prefix: str, names: set[str]) -> bool:
     return f"{prefix}.gate_up_proj" in names or f"{prefix}.down_proj" in names
 
 
-def _plan(model: HybridModel, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[int]]]:
+def _plan(model, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[int]]]:
     """For every model parameter, how to read it; and every checkpoint tensor this reads, with its shape."""
     cfg = model.config
     names = ck.names()
@@ -118,7 +118,7 @@ def _plan(model: HybridModel, ck: Checkpoint) -> tuple[dict[str, Callable], dict
     for name, param in model.state_dict().items():
         shape = list(param.shape)
         gdn = re.match(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$", name)
-        experts = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        experts = re.match(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
         split_present = gdn and any(f"{gdn.group(1)}.in_proj_{w}.weight" in names for w in ("qkv", "z", "b", "a"))
         fused_gdn = gdn and (f"{gdn.group(1)}.in_proj_qkvz.weight" in names or f"{gdn.group(1)}.in_proj_ba.weight"
                              in names or (cfg.model_type == "qwen3_next" and not split_present))
@@ -150,11 +150,18 @@ def _plan(model: HybridModel, ck: Checkpoint) -> tuple[dict[str, Callable], dict
     return sources, expected
 
 
-def load_weights(model: HybridModel, model_dir: str | Path) -> None:
-    """Fills every parameter of `model` from the checkpoint in `model_dir` (converting dtype and layout)."""
+def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder") -> None:
+    """Fills every parameter of `model` from the checkpoint in `model_dir` (converting dtype and layout).
+
+    scope "decoder": the model's own tensors (mtp.* skipped); "mtp": only the multi-token-prediction head's."""
     ck = Checkpoint(model_dir)
     sources, expected = _plan(model, ck)
     present = ck.names()
+    if scope == "mtp":
+        present = {n for n in present if n.startswith("mtp.")}
+        if not present:
+            raise WeightsError(f"checkpoint {model_dir} has no mtp.* tensors: it ships no multi-token-prediction "
+                               "head (use spec 'draft' or 'ngram' with it)")
     problems = []
     for name in sorted(expected):
         if name not in present:
@@ -163,7 +170,7 @@ def load_weights(model: HybridModel, model_dir: str | Path) -> None:
             problems.append(f"tensor {name!r} has shape {ck.shape(name)}, expected {expected[name]}")
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     for name in sorted(present - set(expected)):
-        if name.startswith(SKIPPED_PREFIXES) or (tied_head and name == "lm_head.weight"):
+        if (scope == "decoder" and name.startswith(SKIPPED_PREFIXES)) or (tied_head and name == "lm_head.weight"):
             continue
         problems.append(f"unexpected tensor {name!r} (not used by a {model.config.model_type} model with this config)")
     if problems:

@@ -1,0 +1,81 @@
+"""The MTP drafter: loads the checkpoint's mtp.* head, pairs each committed token with the target's hidden
+state, drafts from its own outputs, and stays lossless."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.default_model import default_model_dir
+from workers.batch import ForwardBatch
+from workers.cache import ModelCache
+from workers.config import ModelConfig
+from workers.drafters import DraftRequest
+from workers.model import HybridModel
+from workers.mtp import MTPDrafter, MTPHead
+from workers.random_init import init_random_
+from workers.weights import WeightsError, load_weights
+
+PROMPTS = ["def f(x):\n    return x", "import os\n", [7, 8, 9, 7, 8, 9, 7], "a" * 33]
+MAX_NEW = [20, 9, 15, 12]
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    src = default_model_dir()
+    out = tmp_path_factory.mktemp("with_mtp")
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(src / name, out / name)
+    cfg = ModelConfig.from_dir(src)
+    head = init_random_(MTPHead(cfg, 1, torch.float32, "cpu"), seed=5)  # type: ignore[arg-type]
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update({k: v.contiguous() for k, v in head.state_dict().items() if k.startswith("mtp.")})
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_mtp_head_loads_and_greedy_output_is_lossless(mtp_dir):
+    sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    base = [r.token_ids for r in LLM(model=str(mtp_dir)).generate(PROMPTS, sp)]
+    llm = LLM(model=str(mtp_dir), spec="mtp", policy="fixed", max_verify_len=3)
+    out = llm.generate(PROMPTS, sp)
+    assert [r.token_ids for r in out] == base
+    assert sum(r.stats.draft_tokens for r in out) > 0
+    assert llm.engine.memory.stats()["used_pages"] == 0
+
+
+def test_checkpoint_without_mtp_tensors_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"needs a checkpoint with mtp\.\* tensors"):
+        LLM(spec="mtp", policy="fixed")
+    with pytest.raises(WeightsError, match="no mtp"):
+        load_weights(MTPHead(ModelConfig.from_dir(default_model_dir()), 1, torch.float32, "cpu"),
+                     default_model_dir(), scope="mtp")
+
+
+def test_mtp_draft_uses_the_true_token_hidden_pairs(mtp_dir):
+    """After the drafter observed a prefill, its first draft equals a from-scratch head run over every
+    (x_q, h_{q-1}) pair of the prompt plus the pending token."""
+    cfg = ModelConfig.from_dir(mtp_dir)
+    target = HybridModel(cfg)
+    load_weights(target, mtp_dir)
+    drafter = MTPDrafter(target, mtp_dir, num_pages=16, page_size=4, num_slots=2)
+    cache = ModelCache(cfg, 16, 4, 2, torch.float32, "cpu")
+    cache.reset_slots([1])
+    prompt, pages = [5, 9, 2, 7, 7, 1, 30], [3, 0, 5, 6]
+    batch = ForwardBatch.build([prompt], [0], [pages], [1], "cpu")
+    logits, hidden = target(batch, cache, torch.arange(len(prompt)), return_hidden=True)
+    drafter.observe([("r", prompt, hidden, 0, pages, 1)])
+    pending = int(logits[-1].argmax())
+    proposal = drafter.propose([DraftRequest("r", prompt + [pending], len(prompt), pages, 1, 1,
+                                             SamplingParams())])
+    # from scratch: pairs (x_1, h_0) ... (x_6, h_5), (pending, h_6) in one head forward on a fresh cache
+    fresh = ModelCache(drafter.head.config, 16, 4, 2, torch.float32, "cpu")
+    toks = prompt[1:] + [pending]
+    m = drafter.head(torch.nn.functional.embedding(torch.tensor(toks), target.model.embed_tokens.weight),
+                     hidden, ForwardBatch.build([toks], [0], [pages], [1], "cpu"), fresh)
+    expected = int(torch.nn.functional.linear(m[-1], target.lm_head_weight()).argmax())
+    assert proposal.tokens[0] == [expected]
