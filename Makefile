@@ -1,10 +1,12 @@
 # Two commands for a fresh machine:
-#   make run    sets up .venv, installs hybridspec, streams a short generation from the embedded default model
+#   make run    sets up .venv, installs hybridspec, starts the gRPC server on the embedded default model in the
+#               background, streams a short generation from it through the client, and stops the server
 #   make test   sets up .venv with the test extra and runs the test suite (what CI runs)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= def fibonacci(n):
+PORT   ?= 50051
 
 .PHONY: run test venv clean
 
@@ -19,7 +21,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 venv: $(VENV)/.installed
 
 run: venv
-	$(BIN)/hybridspec generate "$(PROMPT)" --max-new-tokens 48
+	@$(BIN)/hybridspec serve --port $(PORT) & server=$$!; \
+	$(BIN)/hybridspec generate "$(PROMPT)" --server 127.0.0.1:$(PORT) --wait 120 --max-new-tokens 48 --ignore-eos; status=$$?; \
+	kill -TERM $$server 2>/dev/null; wait $$server; exit $$status
 
 test: venv
 	$(BIN)/python -m pytest -q

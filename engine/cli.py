@@ -1,6 +1,10 @@
 """The `hybridspec` command line.
 
-    hybridspec generate PROMPT [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [sampling options]
+    hybridspec serve [MODEL_DIR] [--host 127.0.0.1] [--port 50051] [--device cpu|cuda] [--dtype float32|bfloat16]
+                     [--spec off|ngram|draft|mtp|replay] [--policy ar|fixed|budget|hybridspec] [--max-verify-len K]
+                     [--draft-model DIR] [--executor local|ray] [--metrics-port N] [engine limits]
+    hybridspec generate PROMPT --server HOST:PORT [sampling options]      (stream from a running server)
+    hybridspec generate PROMPT [--model DIR] [model options] [sampling options]   (run in this process)
 """
 
 from __future__ import annotations
@@ -10,16 +14,22 @@ import sys
 
 from scheduler.types import MAX_NEW_TOKENS, InvalidRequest, SamplingParams
 
+MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "spec": "off", "policy": "hybridspec", "max_verify_len": 16,
+                  "draft_model": None}
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--spec", default="off", choices=["off", "ngram", "draft", "mtp", "replay"],
+
+def _add_model_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """Model options; with defaults=False they default to None (so `generate --server` can reject them)."""
+    d = MODEL_DEFAULTS if defaults else dict.fromkeys(MODEL_DEFAULTS)
+    p.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"], help="default float32")
+    p.add_argument("--spec", default=d["spec"], choices=["off", "ngram", "draft", "mtp", "replay"],
                    help="speculative decoding method (default off)")
-    p.add_argument("--policy", default="hybridspec", choices=["ar", "fixed", "budget", "hybridspec"],
+    p.add_argument("--policy", default=d["policy"], choices=["ar", "fixed", "budget", "hybridspec"],
                    help="verification-length policy (default hybridspec)")
-    p.add_argument("--max-verify-len", type=int, default=16, help="longest verification, 1..16 (default 16)")
-    p.add_argument("--draft-model", default=None, help="draft model directory (with --spec draft)")
+    p.add_argument("--max-verify-len", type=int, default=d["max_verify_len"],
+                   help="longest verification, 1..16 (default 16)")
+    p.add_argument("--draft-model", default=d["draft_model"], help="draft model directory (with --spec draft)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -32,25 +42,75 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.async_engine import DEFAULT_MAX_WAITING
+    from engine.server import DEFAULT_HOST, DEFAULT_PORT
+
+    srv = sub.add_parser("serve", help="run the gRPC server (hybridspec.v1.Generation, health, reflection)")
+    srv.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                     help="model directory (default: the embedded default model)")
+    srv.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    srv.add_argument("--port", type=int, default=DEFAULT_PORT,
+                     help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free port, printed at start)")
+    _add_model_options(srv)
+    srv.add_argument("--executor", default="local", choices=["local", "ray"],
+                     help="where the worker runs: this process (default) or a Ray actor (joins RAY_ADDRESS "
+                          "or starts a local Ray on loopback)")
+    srv.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus text metrics at http://HOST:PORT/metrics (default off)")
+    srv.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                     help=f"queued requests beyond which new ones get RESOURCE_EXHAUSTED (default {DEFAULT_MAX_WAITING})")
+    srv.add_argument("--max-running", type=int, default=None, help="requests running at once = GDN state slots")
+    srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: sized to memory)")
+    srv.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (chunked prefill)")
+    srv.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion, in tokens")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds in-flight requests may take before they are aborted (default 30)")
+    srv.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridspec", description="Serving engine for hybrid GDN + MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for PROMPT and stream it to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
-    _add_model_options(gen)
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--server", default=None, metavar="HOST:PORT", help="stream from a running `hybridspec serve`")
+    where.add_argument("--model", default=None, help="model directory, run in this process "
+                                                     "(default: the embedded default model)")
+    gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="with --server: wait up to SECONDS for the server to become ready (default 0)")
+    gen.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="with --server: deadline of the call")
+    _add_model_options(gen, defaults=False)
     _add_sampling_options(gen)
+    _add_serve_parser(sub)
     return parser
 
 
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed,
+                          ignore_eos=args.ignore_eos)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # checked here too, so bad options fail before any model or connection
+    if args.server is not None:
+        given = [f"--{k.replace('_', '-')}" for k in MODEL_DEFAULTS if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be used with --server (the server's own options apply)")
+        from clients.cli import run_generate
+
+        return run_generate(args.server, args.prompt, wait=args.wait, timeout=args.timeout,
+                            max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, stop=params.stop, seed=params.seed, ignore_eos=params.ignore_eos)
+    if args.wait or args.timeout is not None:
+        raise ValueError("--wait and --timeout need --server")
     from engine.llm import LLM  # heavy import (torch) only when needed
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed,
-                            ignore_eos=args.ignore_eos)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, spec=args.spec, policy=args.policy,
-              max_verify_len=args.max_verify_len, draft_model=args.draft_model)
+    model_options = {k: (MODEL_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in MODEL_DEFAULTS}
+    llm = LLM(model=args.model, **model_options)
     out = sys.stdout
     out.write(args.prompt)
     last = None
@@ -63,12 +123,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.llm import LLM
+    from engine.server import ServeOptions, run_event_loop, serve_until_signal
+
+    for name in ("max_waiting", "max_running", "num_pages", "max_step_tokens", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 <= args.port <= 65535 or (args.metrics_port is not None and not 0 <= args.metrics_port <= 65535):
+        raise ValueError("ports must be in 0..65535")
+    limits = {k: getattr(args, k) for k in ("max_running", "num_pages", "max_step_tokens", "max_model_len")
+              if getattr(args, k) is not None}
+    # LLM checks the speculation options exactly as the Python API does, then builds the engine core.
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, spec=args.spec, policy=args.policy,
+              max_verify_len=args.max_verify_len, draft_model=args.draft_model, executor=args.executor, **limits)
+    options = ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
+    what = f" ({args.model or 'embedded default model'}, executor {args.executor}, spec {args.spec})"
+    return run_event_loop(serve_until_signal(llm.engine, options, what))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
-    except (InvalidRequest, ValueError, FileNotFoundError) as e:
+        if args.command == "serve":
+            return cmd_serve(args)
+    except (InvalidRequest, ValueError, FileNotFoundError, OSError) as e:
         print(f"hybridspec: error: {e}", file=sys.stderr)
         return 2
     return 1

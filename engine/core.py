@@ -20,7 +20,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.types import InvalidRequest, SamplingParams, StepRequest
 from workers.cache import ModelCache
 from workers.config import ModelConfig
-from engine.executor import LocalExecutor, WorkerSpec
+from engine.executor import EXECUTORS, WorkerSpec, create_executor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -36,6 +36,12 @@ class EngineConfig:
     max_running: int = 64  # also the number of GDN state slots
     max_step_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 32768)
+    executor: str = "local"  # where the worker runs: "local" (this process) or "ray" (a Ray actor)
+    spec: str = "off"  # drafter: off | ngram | draft | replay
+    policy: str = "fixed"  # ar | fixed (budget and hybridspec arrive with the planner)
+    max_verify_len: int = 16  # most drafted tokens one request verifies in a step
+    draft_model: str | None = None
+    replay_acceptance: float = 0.85
 
     def validate(self) -> "EngineConfig":
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -44,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         for name in ("page_size", "max_running", "max_step_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,9 +91,13 @@ class EngineCore:
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 32768)
         num_pages = config.num_pages or self._auto_num_pages(dtype, device)
         self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
-        self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len)
-        self.executor = LocalExecutor(WorkerSpec(str(model_dir), config.dtype, config.device, num_pages,
-                                                 config.page_size, config.max_running))
+        speculating = config.spec != "off" and config.policy != "ar"
+        self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len,
+                                   max_draft=config.max_verify_len if speculating else 0)
+        self.executor = create_executor(config.executor, WorkerSpec(
+            str(model_dir), config.dtype, config.device, num_pages, config.page_size, config.max_running,
+            spec=config.spec, policy=config.policy, draft_model=config.draft_model,
+            replay_acceptance=config.replay_acceptance))
         self.live: dict[str, _Live] = {}
 
     def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
@@ -136,6 +148,25 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def fail_running(self) -> list[str]:
+        """Aborts every request whose state lives on the worker (e.g. after a restarted Ray actor lost its
+        cache); returns their ids. Waiting requests hold no worker state and stay queued."""
+        ids = [r.request_id for r in self.scheduler.running]
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def stats(self) -> dict[str, int]:
+        """Occupancy: free/used pages and slots, pool sizes, waiting and running requests."""
+        s = self.memory.stats()
+        s.update(total_pages=self.memory.pages.num_pages, total_slots=self.memory.slots.num_slots,
+                 page_size=self.memory.pages.page_size, waiting_requests=len(self.scheduler.waiting),
+                 running_requests=len(self.scheduler.running))
+        return s
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
@@ -145,9 +176,15 @@ class EngineCore:
         for c in plan.chunks:
             table = self.memory.table(c.request.request_id)
             work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens],
-                                    c.start, list(table.pages), table.slot, c.completes, c.request.params))
+                                    c.start, list(table.pages), table.slot, c.completes, c.request.params,
+                                    c.draft_cap, c.request.all_ids if c.draft_cap else []))
         result = self.executor.execute(work)
-        self.scheduler.commit(plan)
+        self.scheduler.commit(plan, result.accepted_tokens)
+        for rid, n in result.draft_tokens.items():
+            stats = self.live[rid].request.stats
+            stats.draft_tokens += n
+            stats.accepted_tokens += result.accepted_tokens.get(rid, 0)
+            stats.verify_steps += 1
         outputs = [self._append(self.live[rid], toks) for rid, toks in result.new_tokens.items()]
         finished = [o.request_id for o in outputs if o.finished]
         if finished:

@@ -1,14 +1,17 @@
-"""Executors: where the worker (ModelRunner) runs. `local` = in the engine process."""
+"""Executors: where the worker (ModelRunner) runs. `local` = in the engine process; `ray` = in a Ray actor
+(engine/ray_executor.py). Every executor has the same interface: execute / release / shutdown."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from scheduler.types import StepRequest, StepResult
 from workers.config import ModelConfig
+from workers.drafters import DraftModelDrafter, Drafter, NgramDrafter, ReplayDrafter
 from workers.runner import ModelRunner
 
 
@@ -22,12 +25,64 @@ class WorkerSpec:
     num_pages: int
     page_size: int
     num_slots: int
+    spec: str = "off"  # drafter: off | ngram | draft | replay
+    policy: str = "fixed"  # verification-length policy run by the worker: ar | fixed
+    draft_model: str | None = None  # directory of the draft model (spec "draft"; the replay drafter's cost)
+    replay_acceptance: float = 0.85  # spec "replay": probability that each proposed token is right
+    seed: int = 0
 
 
 def build_runner(spec: WorkerSpec) -> ModelRunner:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
-    return ModelRunner.create(ModelConfig.from_dir(spec.model_dir), Path(spec.model_dir), dtype, spec.device,
-                              spec.num_pages, spec.page_size, spec.num_slots)
+    runner = ModelRunner.create(ModelConfig.from_dir(spec.model_dir), Path(spec.model_dir), dtype, spec.device,
+                                spec.num_pages, spec.page_size, spec.num_slots)
+    runner.policy = spec.policy
+    if spec.spec == "mtp":
+        from workers.mtp import MTPDrafter
+
+        runner.drafter = MTPDrafter(runner.model, spec.model_dir, spec.num_pages, spec.page_size, spec.num_slots)
+    else:
+        runner.drafter = build_drafter(spec, runner.model.config.vocab_size, dtype)
+    return runner
+
+
+def build_drafter(spec: WorkerSpec, vocab_size: int, dtype: torch.dtype) -> Drafter | None:
+    def draft_model() -> DraftModelDrafter:
+        from workers.model import HybridModel
+        from workers.weights import load_weights
+
+        cfg = ModelConfig.from_dir(spec.draft_model)
+        if cfg.vocab_size != vocab_size:
+            raise ValueError(f"draft_model vocab_size must equal the target's ({vocab_size}), got {cfg.vocab_size}")
+        model = HybridModel(cfg, dtype, spec.device)
+        load_weights(model, spec.draft_model)
+        return DraftModelDrafter(model, spec.num_pages, spec.page_size, spec.num_slots)
+
+    if spec.spec == "off":
+        return None
+    if spec.spec == "ngram":
+        return NgramDrafter()
+    if spec.spec == "draft":
+        if not spec.draft_model:
+            raise ValueError("spec 'draft' needs draft_model (a model directory with the target's tokenizer)")
+        return draft_model()
+    if spec.spec == "replay":
+        return ReplayDrafter(spec.replay_acceptance, vocab_size, seed=spec.seed,
+                             cost_model=draft_model() if spec.draft_model else None)
+    raise ValueError(f"spec {spec.spec!r} is not available in this build (off, ngram, draft, replay)")
+
+
+class WorkerLost(RuntimeError):
+    """The worker died or was restarted and lost every request's cached state: the engine must fail the
+    requests it was running (queued ones are unaffected), then carry on with the (restarted) worker."""
+
+
+class Executor(Protocol):
+    def execute(self, requests: list[StepRequest]) -> StepResult: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
@@ -42,3 +97,16 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+EXECUTORS = ("local", "ray")
+
+
+def create_executor(kind: str, spec: WorkerSpec) -> Executor:
+    if kind == "local":
+        return LocalExecutor(spec)
+    if kind == "ray":
+        from engine.ray_executor import RayExecutor  # imports ray only when asked for
+
+        return RayExecutor(spec)
+    raise ValueError(f"executor must be one of {EXECUTORS}, got {kind!r}")

@@ -13,7 +13,8 @@ from scheduler.types import InvalidRequest, SamplingParams
 SPEC_METHODS = ("off", "ngram", "draft", "mtp", "replay")
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 MAX_VERIFY_LEN = 16
-AVAILABLE_SPEC = ("off",)  # the drafters arrive with speculative decoding
+AVAILABLE_SPEC = ("off", "ngram", "draft", "mtp", "replay")
+AVAILABLE_POLICIES = ("ar", "fixed")  # budget and hybridspec arrive with the planner
 
 
 @dataclass
@@ -37,12 +38,27 @@ class LLM:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if isinstance(max_verify_len, bool) or not isinstance(max_verify_len, int) or not 1 <= max_verify_len <= MAX_VERIFY_LEN:
             raise ValueError(f"max_verify_len must be an integer between 1 and {MAX_VERIFY_LEN}, got {max_verify_len!r}")
-        if draft_model is not None and spec != "draft":
-            raise ValueError("draft_model is only used with spec='draft'")
+        if spec != "off" and policy not in AVAILABLE_POLICIES:
+            raise ValueError(f"policy={policy!r} is not implemented in this build yet; with speculation use one of "
+                             f"{AVAILABLE_POLICIES}")
+        if draft_model is not None and spec not in ("draft", "replay"):
+            raise ValueError("draft_model is only used with spec='draft' (or as the replay drafter's cost model)")
+        if spec == "draft" and draft_model is None:
+            raise ValueError("spec='draft' needs draft_model: a model directory with the target's tokenizer")
         self.spec, self.policy, self.max_verify_len = spec, policy, max_verify_len
-        self.engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, **engine_options))
+        self.engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, spec=spec,
+                                              policy=policy if spec != "off" else "ar",
+                                              max_verify_len=max_verify_len, draft_model=draft_model,
+                                              **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def set_replay_reference(self, prompt: str | list[int], continuation: list[int]) -> None:
+        """Benchmarks (spec='replay'): the reference continuation the replay drafter proposes for a prompt."""
+        drafter = getattr(getattr(self.engine.executor, "runner", None), "drafter", None)
+        if not hasattr(drafter, "set_reference"):
+            raise ValueError("set_replay_reference needs spec='replay' with the local executor")
+        drafter.set_reference(self._prompt_ids(prompt), continuation)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StepOutput]:
         """Runs one prompt and yields its StepOutputs (new tokens and text) as they are produced."""

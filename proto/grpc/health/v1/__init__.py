@@ -1,0 +1,1 @@
+"""grpc.health.v1: the standard health checking service."""

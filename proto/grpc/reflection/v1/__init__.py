@@ -1,0 +1,1 @@
+"""grpc.reflection.v1: the standard server reflection service."""

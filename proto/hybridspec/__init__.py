@@ -1,0 +1,1 @@
+"""hybridspec protocol packages."""

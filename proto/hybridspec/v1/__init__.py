@@ -1,0 +1,1 @@
+"""hybridspec.v1: the Generation service (generation.proto)."""

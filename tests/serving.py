@@ -1,0 +1,62 @@
+"""Helpers for the server, client and executor tests: an in-process server on a free loopback port, one
+thread for torch, the reference generations from the in-process LLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny default model is far faster on one intra-op thread on a small shared machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+    """Runs a test coroutine on a fresh event loop, with an overall timeout (a hang fails, not blocks)."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serving(core, **options: Any) -> AsyncIterator[tuple[Any, str]]:
+    """An in-process Server for `core` on a free loopback port: yields (server, "127.0.0.1:PORT")."""
+    from engine.server import ServeOptions, Server
+
+    server = Server(core, ServeOptions(host="127.0.0.1", port=0, **options))
+    port = await server.start()
+    try:
+        yield server, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(drain_timeout=0.0)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.02)

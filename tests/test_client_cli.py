@@ -1,0 +1,179 @@
+"""`hybridspec serve` as a real process, the async client and `hybridspec generate --server` against it, and a
+clean exit on SIGTERM (in-flight requests finish or end with finish_reason "abort", exit status 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from clients.cli import stream_generate
+from clients.client import GenerationClient
+from engine import LLM, SamplingParams
+from serving import one_torch_thread, run  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 2048
+
+
+class ServerProcess:
+    """`python -m engine.cli serve --port 0 ...` with its stderr collected line by line."""
+
+    def __init__(self, *args: str):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN), *args],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.target = self._wait_for("listening on ", 120.0).split("listening on ")[1].split()[0]
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            self.lines.put(line)
+
+    def _wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if text in line:
+                return line
+        raise AssertionError(f"server never printed {text!r}; stderr:\n{''.join(self.stderr)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--drain-timeout", "1")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(one_torch_thread) -> LLM:
+    return LLM(max_model_len=MAX_MODEL_LEN)
+
+
+def test_cli_generate_streams_from_the_server(server, llm):
+    prompt = "def fibonacci(n):"
+    expected = llm.generate(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", prompt, "--server", server.target,
+                          "--max-new-tokens", "16", "--ignore-eos"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == prompt + expected.text + "\n"
+    assert "[16 tokens, finish_reason=length" in out.stderr
+
+
+def test_client_api_matches_in_process(server, llm):
+    prompts: list[str | list[int]] = ["hello", [104, 105, 33, 200, 17], "é日本語"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+
+    async def main() -> None:
+        async with GenerationClient(server.target) as client:
+            await client.wait_ready(10)
+            assert await client.health() == "SERVING"
+            for prompt, ref in zip(prompts, expected):
+                chunks = [c async for c in client.generate(prompt, max_new_tokens=12, ignore_eos=True)]
+                assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+                assert "".join(c.text for c in chunks) == ref.text
+                last = chunks[-1]
+                assert last.finished and last.finish_reason == "length" and last.usage is not None
+                assert last.usage.prompt_tokens == len(ref.prompt_token_ids) and last.usage.completion_tokens == 12
+            stats = await client.stats()
+            assert stats.max_model_len == MAX_MODEL_LEN and stats.free_pages == stats.total_pages
+
+    run(main())
+
+
+def test_cli_errors(server):
+    async def main() -> None:
+        out, err = io.StringIO(), io.StringIO()
+        # the server rejects it (the client cannot know the model's limit)
+        status = await stream_generate(server.target, "hi", out=out, err=err, max_new_tokens=MAX_MODEL_LEN)
+        assert status == 2 and "INVALID_ARGUMENT" in err.getvalue() and "max_new_tokens" in err.getvalue()
+        # nobody listening there
+        err = io.StringIO()
+        status = await stream_generate("127.0.0.1:1", "hi", out=io.StringIO(), err=err, timeout=5)
+        assert status == 1 and "UNAVAILABLE" in err.getvalue()
+
+    run(main())
+    from engine.cli import main as cli_main
+
+    assert cli_main(["generate", "hi", "--server", server.target, "--device", "cpu"]) == 2
+    assert cli_main(["generate", "hi", "--server", server.target, "--top-k", "-1"]) == 2
+
+
+def test_serve_checks_speculation_options_like_the_python_api():
+    from engine.llm import AVAILABLE_SPEC, SPEC_METHODS
+
+    unavailable = [s for s in SPEC_METHODS if s not in AVAILABLE_SPEC]
+    # a method this build lacks if there is one; else an option combination the Python API rejects
+    args, kwargs = ((["--spec", unavailable[0]], {"spec": unavailable[0]}) if unavailable
+                    else (["--spec", "draft"], {"spec": "draft"}))  # draft without --draft-model
+    with pytest.raises(ValueError) as err:
+        LLM(**kwargs)
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert str(err.value) in out.stderr
+
+
+def test_sigterm_drains_and_exits_cleanly():
+    proc = ServerProcess("--drain-timeout", "1.5")
+    try:
+        async def main() -> tuple[list, grpc.StatusCode | None]:
+            async with GenerationClient(proc.target) as client:
+                long_chunks: list = []
+
+                async def long() -> None:
+                    async for chunk in client.generate("long", max_new_tokens=MAX_MODEL_LEN - 10, ignore_eos=True):
+                        long_chunks.append(chunk)
+
+                task = asyncio.create_task(long())
+                while not long_chunks:
+                    await asyncio.sleep(0.02)
+                short = asyncio.create_task(client.complete("short", max_new_tokens=5, ignore_eos=True))
+                while (await client.stats()).requests_total < 2:  # both admitted before the signal
+                    await asyncio.sleep(0.02)
+                proc.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(proc._wait_for, "SIGTERM", 10.0)
+                late_code = None
+                try:
+                    await client.complete("late", max_new_tokens=2, timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    late_code = e.code()
+                await task
+                assert (await short).finish_reason == "length"
+                return long_chunks, late_code
+
+        long_chunks, late_code = run(main())
+        assert long_chunks[-1].finished and long_chunks[-1].finish_reason == "abort"
+        assert late_code is grpc.StatusCode.UNAVAILABLE
+        assert proc.proc.wait(30) == 0
+        assert any("stopped (1 in-flight requests aborted)" in line for line in proc.stderr), proc.stderr
+    finally:
+        proc.stop()
