@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen, defaults=False)
     _add_sampling_options(gen)
     _add_serve_parser(sub)
+    sub.add_parser("loadtest", add_help=False, help="load-test a server (loadtest/: `hybridspec loadtest --help`)")
     return parser
 
 
@@ -148,6 +149,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["loadtest"]:  # loadtest parses its own options (and imports no engine code)
+        from loadtest.cli import main as loadtest_main
+
+        return loadtest_main(list(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

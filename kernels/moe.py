@@ -50,3 +50,25 @@ def fused_moe_ref(
         out.index_add_(0, rows, y.to(out.dtype))
         start += n
     return out
+
+
+def router_correction_ref(topk_ids: Tensor, extra_rows: Tensor, num_experts: int) -> Tensor:
+    """The extra verification token of each request is kept only where every expert it routes to is already
+    activated by the batch's other tokens (it then costs no extra expert weight reads).
+
+    topk_ids [N, k], extra_rows [N] bool -> token_mask [N] bool (False = masked out of all later expert work).
+    Device ops only, no host sync.
+    """
+    covered = torch.zeros(num_experts + 1, dtype=torch.bool, device=topk_ids.device)
+    others = torch.where(extra_rows[:, None], num_experts, topk_ids)  # extra rows point at a dummy expert
+    covered[others.reshape(-1)] = True
+    extra_ok = covered[topk_ids].all(dim=-1)  # [N]
+    return ~extra_rows | extra_ok
+
+
+def distinct_experts_ref(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> Tensor:
+    """Number of distinct experts the (unmasked) tokens touch, as a device scalar (no host sync)."""
+    ids = topk_ids if token_mask is None else torch.where(token_mask[:, None], topk_ids, num_experts)
+    hit = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    hit[ids.reshape(-1)] = 1
+    return hit[:num_experts].sum()

@@ -1,0 +1,352 @@
+"""Causal attention over a paged KV cache for a ragged batch, in Triton (decode, verification and prefill).
+
+Same signatures and semantics as kernels/attention.py (`write_kv_ref`, `paged_attention_ref`). The host lists
+`query_lens` / `context_lens_host` are accepted and used by the Triton kernel only as size hints (tile shape,
+grid, KV splits): its results never depend on them, every length is read from the device tensors, nothing
+synchronizes with the host, so a step can be captured in a CUDA graph and replayed with other lengths (the one
+exception, the SDPA path for batches of fresh prompts, is described below).
+
+`_paged_attn_kernel`: one program per (query tile, KV head x KV split, request). A query tile holds TPT tokens x
+all G = H / HKV query heads of one KV head (GQA: BLOCK_M = G * TPT rows share every K/V tile they load). The
+program walks the request's pages through the page table with an online softmax (exp2). For decode and
+verification (q_len <= 17) a request has 1-3 tiles; when few programs would run, the keys are split into
+S ranges (flash-decoding) whose partial results `_combine_kernel` merges. The same kernel with no split is the
+varlen prefill path (a causal flash kernel over pages; tiles stride over the request's tokens), used for chunked
+prefill (prompts continuing a cached context) and mixed batches. A batch made only of fresh prompts longer than
+SDPA_PREFILL_MIN_LEN goes to torch SDPA (flash) per request instead: 123 us against 175 us for this kernel at one
+2048-token prompt on the H200 (bench/NOTES_moe_attn.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# write_kv: scatter this step's keys and values into their pages
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [N, HKV, D]
+    v_ptr,
+    kc_ptr,  # [P, page_size, HKV, D]
+    vc_ptr,
+    pt_ptr,  # [B, max_pages] int32
+    pos_ptr,  # [N] int64
+    req_ptr,  # [N] int64
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    stride_pt,
+    HKV,
+    D,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    req = tl.load(req_ptr + row).to(tl.int64)
+    page = tl.load(pt_ptr + req * stride_pt + pos // PAGE_SIZE).to(tl.int64)
+    off = pos % PAGE_SIZE
+    hh = tl.arange(0, BLOCK_HKV)[:, None]
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    m = (hh < HKV) & (dd < D)
+    kv = tl.load(k_ptr + row * stride_kn + hh * stride_kh + dd, mask=m)
+    tl.store(kc_ptr + page * stride_cp + off * stride_cs + hh * stride_ch + dd, kv.to(kc_ptr.dtype.element_ty), mask=m)
+    vv = tl.load(v_ptr + row * stride_vn + hh * stride_vh + dd, mask=m)
+    tl.store(vc_ptr + page * stride_vcp + off * stride_vcs + hh * stride_vch + dd, vv.to(vc_ptr.dtype.element_ty),
+             mask=m)
+
+
+def write_kv_triton(
+    k: Tensor,  # [N, HKV, D] new keys
+    v: Tensor,  # [N, HKV, D]
+    k_cache: Tensor,  # [P, page_size, HKV, D]
+    v_cache: Tensor,
+    page_table: Tensor,  # [B, max_pages] int32
+    positions: Tensor,  # [N] int64 absolute position of each new token
+    request_of_row: Tensor,  # [N] int64 request index of each new token
+) -> None:
+    """As write_kv_ref: k/v of token n go to page page_table[req, pos // page_size], row pos % page_size."""
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _write_kv_kernel[(n,)](
+        k, v, k_cache, v_cache, page_table, positions, request_of_row,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), hkv, d,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged attention
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [N, H, D]
+    k_ptr,  # [P, page_size, HKV, D]
+    v_ptr,
+    pt_ptr,  # [B, max_pages] int32
+    cu_ptr,  # [B+1] int32
+    ctx_ptr,  # [B] int32
+    o_ptr,  # [N, H, D] (no split)
+    op_ptr,  # [S, N, H, D] fp32 partial outputs (split)
+    lse_ptr,  # [S, N, H] fp32 partial log2-sum-exp2 (split)
+    scale_log2,  # softmax scale * log2(e)
+    N,
+    S,  # number of key splits
+    stride_qn,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    stride_on,
+    stride_oh,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TPT: tl.constexpr,  # query tokens per tile
+    BLOCK_M: tl.constexpr,  # >= G * TPT rows: row r = (token r // G, head r % G of this KV head's group)
+    BLOCK_N: tl.constexpr,  # keys per iteration
+    PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    G: tl.constexpr = H // HKV
+    pid_m = tl.program_id(0)
+    grid_m = tl.num_programs(0)
+    kvh = tl.program_id(1) % HKV
+    split = tl.program_id(1) // HKV
+    b = tl.program_id(2).to(tl.int64)
+    start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - start
+    ctx = tl.load(ctx_ptr + b)
+    total = ctx + q_len
+    per_split = tl.cdiv(tl.cdiv(total, S), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+
+    r = tl.arange(0, BLOCK_M)
+    g = r % G
+    head = kvh * G + g  # [BM]
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    kn = tl.arange(0, BLOCK_N)
+    for mt in range(pid_m, tl.cdiv(q_len, TPT), grid_m):
+        t = mt * TPT + r // G  # token index inside the request, [BM]
+        rvalid = (r < G * TPT) & (t < q_len)
+        qrow = (start + t).to(tl.int64)
+        q = tl.load(q_ptr + qrow[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=rvalid[:, None] & dmask[None, :], other=0.0)  # [BM, BD]
+        qpos = ctx + t  # absolute position of each row's token
+        hi = tl.minimum(lo + per_split, ctx + tl.minimum(q_len, (mt + 1) * TPT))  # keys this tile may see
+        m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for k0 in range(lo, hi, BLOCK_N):
+            kpos = k0 + kn  # [BN]
+            kmask = kpos < hi
+            page = tl.load(pt_ptr + b * stride_pt + kpos // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)
+            off = kpos % PAGE_SIZE
+            kt = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                         mask=kmask[:, None] & dmask[None, :], other=0.0)  # [BN, BD]
+            vt = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                         mask=kmask[:, None] & dmask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(kt.to(q.dtype))) * scale_log2  # [BM, BN]
+            visible = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+            s = tl.where(visible, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vt.to(q.dtype))
+            m_i = m_new
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if SPLIT:
+            prow = split.to(tl.int64) * N + qrow  # [BM]
+            tl.store(op_ptr + ((prow * H + head) * D)[:, None] + d[None, :], o,
+                     mask=rvalid[:, None] & dmask[None, :])
+            tl.store(lse_ptr + prow * H + head, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf")),
+                     mask=rvalid)
+        else:
+            tl.store(o_ptr + qrow[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    op_ptr,  # [S, N, H, D] fp32
+    lse_ptr,  # [S, N, H] fp32
+    o_ptr,  # [N, H, D]
+    N,
+    S,
+    stride_on,
+    stride_oh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    S_P2: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_P2)
+    smask = s < S
+    d = tl.arange(0, BLOCK_D)
+    prow = (s.to(tl.int64) * N + n) * H + h  # [S_P2]
+    lse = tl.load(lse_ptr + prow, mask=smask, other=-float("inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == -float("inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    part = tl.load(op_ptr + (prow * D)[:, None] + d[None, :], mask=(smask & (lse > -float("inf")))[:, None]
+                   & (d < D)[None, :], other=0.0)  # [S_P2, BD]
+    o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(o_ptr + n * stride_on + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+def _fresh_prefill_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, scale: float,
+                        query_lens: list[int], out: Tensor) -> Tensor:
+    """Requests with no cached context: plain causal attention over their own keys, per request (torch SDPA)."""
+    page_size, kv_heads, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    start = 0
+    for i, t in enumerate(query_lens):
+        pos = torch.arange(t, device=q.device)
+        rows = page_table[i, pos // page_size].long() * page_size + pos % page_size
+        keys = k_cache.view(-1, kv_heads, d)[rows].transpose(0, 1).to(q.dtype)  # [HKV, T, D]
+        vals = v_cache.view(-1, kv_heads, d)[rows].transpose(0, 1).to(q.dtype)
+        qi = q[start : start + t].transpose(0, 1)  # [H, T, D]
+        o = F.scaled_dot_product_attention(qi.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        out[start : start + t] = o[0].transpose(0, 1)
+        start += t
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# (BLOCK_N, num_warps, num_stages) per BLOCK_M for decode/verify tiles, and (BLOCK_M, BLOCK_N, warps, stages) for
+# prefill; picked by the sweeps of bench/kernels_moe_attn.py on an H200 (bench/NOTES_moe_attn.md)
+ATTN_TILES = {16: (32, 4, 3), 32: (64, 8, 3), 64: (64, 8, 2), 128: (32, 8, 2)}
+PREFILL_TILE = (128, 64, 8, 2)
+SPLIT_MIN_KEYS = 128  # keys per KV split at least
+SPLIT_WAVES = 3  # aim for this many programs per SM when splitting
+# Fresh prompts longer than this go to torch SDPA (flash) when every request of the batch is one. H200, bf16: at
+# B=1 T=2048 the SDPA path took 123 us against 175 us for the kernel, at B=4 T=512 172 us against 63 us (the path
+# costs ~35 us of small gather/copy launches per request); 1536 sits above the crossover estimated from these.
+SDPA_PREFILL_MIN_LEN = 1536
+
+
+def attention_plan(num_tokens: int, num_requests: int, heads: int, kv_heads: int, max_q: int, max_kv: int,
+                   sm_count: int) -> dict:
+    """Tile shape, grid and KV splits from sizes only (hints; correctness does not depend on them)."""
+    group = heads // kv_heads
+    if max_q > 64:  # prefill
+        block_m, block_n, warps, stages = PREFILL_TILE
+        block_m = max(block_m, triton.next_power_of_2(group))
+    else:
+        block_m = max(16, min(64, triton.next_power_of_2(group * max_q)), triton.next_power_of_2(group))
+        if block_m == 64 and group * max_q > 64 and 128 in ATTN_TILES:
+            # verification with enough programs already: 128-row tiles read each request's KV fewer times
+            if triton.cdiv(max_q, 64 // group) * kv_heads * num_requests >= sm_count:
+                block_m = 128
+        block_n, warps, stages = ATTN_TILES.get(block_m, ATTN_TILES[64])
+    tpt = max(1, block_m // group)
+    grid_m = max(1, triton.cdiv(max(max_q, 1), tpt))
+    base = grid_m * kv_heads * num_requests
+    splits = 1
+    if max_q <= 64:
+        want = triton.cdiv(SPLIT_WAVES * sm_count, max(base, 1))
+        by_len = triton.cdiv(max(max_kv, 1), SPLIT_MIN_KEYS)
+        # fp32 partials (written and read once more) stay under max(KV bytes, 16 MB)
+        per_split = max(num_tokens * heads * 256 * 4, 1)
+        by_traffic = max(1, max(num_requests * max_kv * kv_heads * 256 * 4, 16 << 20) // per_split)
+        splits = max(1, min(want, by_len, by_traffic, 128))
+    return {"block_m": block_m, "block_n": block_n, "tpt": tpt, "grid_m": grid_m, "splits": splits,
+            "num_warps": warps, "num_stages": stages}
+
+
+def paged_attention_triton(
+    q: Tensor,  # [N, H, D]
+    k_cache: Tensor,  # [P, page_size, HKV, D] (already holding this step's keys)
+    v_cache: Tensor,
+    page_table: Tensor,  # [B, max_pages] int32
+    cu_seqlens: Tensor,  # [B+1] int32 new tokens per request
+    context_lens: Tensor,  # [B] int32 tokens cached before this step
+    scale: float,
+    query_lens: list[int] | None = None,  # host copies: size hints only (may be None)
+    context_lens_host: list[int] | None = None,
+    *,
+    plan: dict | None = None,  # override attention_plan (tests, benchmarks)
+    prefill_sdpa: bool | None = None,  # None: SDPA when every request is a fresh prompt > SDPA_PREFILL_MIN_LEN
+) -> Tensor:
+    """Returns o [N, H, D] in q's dtype. As paged_attention_ref, without a host sync.
+
+    Exception: a batch of fresh prompts only (every context length 0 and every query longer than
+    SDPA_PREFILL_MIN_LEN, by the host lists) goes to torch SDPA per request (flash, is_causal), which was faster
+    than this kernel for long prompts on the H200; that path uses the host lengths and is not for graph capture."""
+    n, heads, d = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_requests = cu_seqlens.numel() - 1
+    out = torch.empty_like(q)
+    if n == 0 or num_requests == 0:
+        return out
+    if prefill_sdpa is None:
+        prefill_sdpa = bool(query_lens and context_lens_host and len(query_lens) == num_requests
+                            and sum(query_lens) == n and not any(context_lens_host)
+                            and min(query_lens) > SDPA_PREFILL_MIN_LEN)
+    if prefill_sdpa:
+        return _fresh_prefill_sdpa(q, k_cache, v_cache, page_table, scale, query_lens, out)
+    assert heads % kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    max_q = max(query_lens) if query_lens else n
+    if query_lens and context_lens_host:
+        max_kv = max(c + t for c, t in zip(context_lens_host, query_lens))
+    else:
+        max_kv = page_table.shape[1] * page_size
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
+    p = attention_plan(n, num_requests, heads, kv_heads, max_q, max_kv, sms)
+    if plan:
+        p.update(plan)
+    splits = p["splits"]
+    block_d = triton.next_power_of_2(d)
+    if splits > 1:
+        o_part = torch.empty(splits, n, heads, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, n, heads, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse = out
+    grid = (p["grid_m"], kv_heads * splits, num_requests)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, o_part, lse,
+        float(scale) * 1.4426950408889634, n, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
+        out.stride(0), out.stride(1),
+        H=heads, HKV=kv_heads, D=d, BLOCK_D=block_d, TPT=p["tpt"], BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
+        PAGE_SIZE=page_size, SPLIT=splits > 1, num_warps=p["num_warps"], num_stages=p["num_stages"])
+    if splits > 1:
+        _combine_kernel[(n, heads)](o_part, lse, out, n, splits, out.stride(0), out.stride(1), H=heads, D=d,
+                                    BLOCK_D=block_d, S_P2=triton.next_power_of_2(splits), num_warps=4)
+    return out

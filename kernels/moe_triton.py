@@ -1,0 +1,513 @@
+"""Mixture-of-experts in Triton: softmax top-k routing and the fused expert MLPs of a whole step.
+
+Same signatures and semantics as the PyTorch references in kernels/moe.py (`route_ref`, `fused_moe_ref`).
+
+fused_moe_triton runs three or four launches and never synchronizes with the host, so a step can be captured in a
+CUDA graph (every grid is sized from shapes only, with an upper bound on the work; surplus programs exit at once):
+
+1. `_moe_align_kernel` (one program): the N*k (token, expert) assignments are grouped by expert into blocks of
+   BLOCK_M rows; each touched expert gets ceil(count / BLOCK_M) blocks, the tail of its last block padded with
+   a sentinel. Assignments of masked-out tokens (token_mask False) go to no block, so they cost nothing.
+   Outputs: sorted_ids [max_rows] (assignment index n*k + j, or the sentinel N*k), block_expert [max_blocks],
+   num_blocks [1]. max_blocks = cdiv(N*k, BLOCK_M) + min(E, N*k) bounds sum_e ceil(count_e / BLOCK_M).
+   For small N*k (FUSE_ALIGN_MAX_NK) this step runs inside the gate/up kernel instead (`_block_rows`: every
+   program finds its own block's rows; one launch fewer).
+2. `_moe_gate_up_kernel`: grouped GEMM, one program per (block, BLOCK_N columns of I): gathers its rows of x,
+   reads the expert's gate and up rows once, writes silu(gate) * up [max_rows, I].
+3. `_moe_down_kernel`: grouped GEMM over the down weights, times the routing weight, written to the
+   assignment's own row of y [N*k, H] (no atomics, deterministic).
+4. `_moe_reduce_kernel`: out[n] = sum_j y[n*k + j] (0 for masked tokens). Optionally (FUSE_REDUCE_MAX_NK, off
+   by default) the last down program of each column slice does this instead.
+
+Every touched expert's weights are read once per n-tile; the blocks of one expert sit next to each other in
+the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles from L2, not HBM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# routing: softmax over experts, top-k, optional renormalization
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [N, E]
+    w_ptr,  # [N, K] out, logits dtype
+    ids_ptr,  # [N, K] out, int64
+    E,
+    stride_l,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    x = x - tl.max(x, axis=0)
+    p = tl.exp(x)
+    p = p / tl.sum(p, axis=0)  # [E_P2] softmax in fp32, 0 in the padding
+    p = tl.where(e < E, p, -1.0)
+    kk = tl.arange(0, K_P2)
+    vals = tl.zeros([K_P2], tl.float32)
+    idxs = tl.zeros([K_P2], tl.int64)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == m, e, E_P2), axis=0)  # lowest index among ties
+        vals = tl.where(kk == j, m, vals)
+        idxs = tl.where(kk == j, idx.to(tl.int64), idxs)
+        p = tl.where(e == idx, -2.0, p)
+    if RENORM:
+        vals = vals / tl.sum(tl.where(kk < TOP_K, vals, 0.0), axis=0)
+    tl.store(w_ptr + row * TOP_K + kk, vals.to(w_ptr.dtype.element_ty), mask=kk < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + kk, idxs, mask=kk < TOP_K)
+
+
+def route_triton(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """router_logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int64). As route_ref."""
+    n, e = router_logits.shape
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(n, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=router_logits.device)
+    if n == 0:
+        return weights, ids
+    e_p2 = triton.next_power_of_2(e)
+    _route_kernel[(n,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                        K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
+                        num_warps=4 if e_p2 >= 512 else 1)
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. align: group assignments by expert into padded blocks (one program, no host sync)
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,  # [N*K] expert of each assignment (int64 or int32)
+    mask_ptr,  # [N] token mask (int8) or a dummy when HAS_MASK is False
+    sorted_ids_ptr,  # [max_rows] int32 out: assignment index per row, NK = padding
+    block_expert_ptr,  # [max_blocks] int32 out: expert of each block (only blocks < num_blocks are written)
+    num_blocks_ptr,  # [1] int32 out
+    cursor_ptr,  # [E_P2] int32 scratch
+    NK,
+    E,
+    TOP_K: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    E_P2: tl.constexpr,  # power of two > E (bin E collects masked / out-of-range assignments)
+    CHUNK: tl.constexpr,
+):
+    bins = tl.arange(0, E_P2)
+    # pass 1: assignments per expert
+    counts = tl.zeros([E_P2], tl.int32)
+    for start in range(0, NK, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        inb = offs < NK
+        ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
+            ids = tl.where(keep, ids, E)
+        counts += tl.histogram(ids, E_P2)
+    counts = tl.where(bins < E, counts, 0)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M  # [E_P2]
+    blk_end = tl.cumsum(nblk, axis=0)
+    row_start = (blk_end - nblk) * BLOCK_M  # first row of each expert's blocks
+    tl.store(num_blocks_ptr, tl.sum(nblk, axis=0))
+    # padding rows at the tail of each expert's last block: [E_P2, BLOCK_M], disjoint from the real rows
+    j = tl.arange(0, BLOCK_M)
+    pad = counts[:, None] + j[None, :]
+    tl.store(sorted_ids_ptr + row_start[:, None] + pad, tl.zeros([E_P2, BLOCK_M], tl.int32) + NK,
+             mask=pad < nblk[:, None] * BLOCK_M)
+    tl.store(cursor_ptr + bins, row_start)
+    tl.debug_barrier()
+    # pass 2: each assignment takes the next free row of its expert (order inside an expert does not matter:
+    # the GEMM rows are independent and results are scattered back by assignment index)
+    for start in range(0, NK, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        inb = offs < NK
+        ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
+            ids = tl.where(keep, ids, E)
+        real = ids < E
+        dest = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=real)
+        tl.store(sorted_ids_ptr + dest, offs, mask=real)
+        tl.store(block_expert_ptr + dest // BLOCK_M, ids, mask=real)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1b. the same grouping computed inside the gate/up kernel (small N*k): each program finds its own block's rows
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
+                BLOCK_M: tl.constexpr, E_P2: tl.constexpr, NK_P2: tl.constexpr):
+    """(expert of block pid_m, its BLOCK_M assignment indices (NK = padding), number of blocks), in the order of
+    moe_align_ref (ascending assignment index inside an expert)."""
+    offs = tl.arange(0, NK_P2)
+    inb = offs < NK
+    ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
+        ids = tl.where(keep, ids, E)
+    bins = tl.arange(0, E_P2)
+    counts = tl.where(bins < E, tl.histogram(ids, E_P2), 0)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, axis=0)
+    total = tl.sum(nblk, axis=0)
+    expert = tl.sum((blk_end <= pid_m).to(tl.int32), axis=0)  # owner of block pid_m when pid_m < total
+    first = tl.sum(tl.where(bins == expert, blk_end - nblk, 0), axis=0)
+    member = ids == expert
+    rank = tl.cumsum(member.to(tl.int32), axis=0) - 1  # [NK_P2] rank among the expert's assignments
+    want = (pid_m - first) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    hit = member[None, :] & (rank[None, :] == want[:, None])  # [BM, NK_P2]
+    aid = tl.max(tl.where(hit, offs[None, :], -1), axis=1)
+    aid = tl.where(aid >= 0, aid, NK)
+    return expert, aid, total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. gate/up grouped GEMM with SiLU * up fused
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,  # [N, H]
+    w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1
+    h_ptr,  # [max_rows, I] out: silu(gate) * up per sorted row
+    sorted_ids_ptr,  # [max_rows] int32 (in, or out when FUSED_ALIGN)
+    block_expert_ptr,  # [max_blocks] int32 (in, or out when FUSED_ALIGN)
+    num_blocks_ptr,  # [1] int32 (in, or out when FUSED_ALIGN)
+    topk_ids_ptr,  # [N*K] (FUSED_ALIGN only)
+    mask_ptr,  # [N] int8 (FUSED_ALIGN with HAS_MASK only)
+    NK,
+    E,
+    H,
+    I,
+    stride_xn,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FUSED_ALIGN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    E_P2: tl.constexpr,
+    NK_P2: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if FUSED_ALIGN:
+        expert32, aid, total = _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K, HAS_MASK, BLOCK_M, E_P2,
+                                           NK_P2)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(num_blocks_ptr, total)
+        if pid_m >= total:
+            return
+        if pid_n == 0:  # publish the grouping for the down kernel
+            tl.store(sorted_ids_ptr + rows, aid)
+            tl.store(block_expert_ptr + pid_m, expert32)
+        expert = expert32.to(tl.int64)
+    else:
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        aid = tl.load(sorted_ids_ptr + rows)
+    valid = aid < NK
+    tok = (aid // TOP_K).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xn + k[None, :]  # [BM, BK]
+    wg_ptrs = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
+    wu_ptrs = wg_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kmask = (k0 + k) < H
+        a = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g)
+        acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    hval = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + n[None, :], hval.to(h_ptr.dtype.element_ty),
+             mask=nmask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. down grouped GEMM, times the routing weight, scattered to the assignment's row
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_down_kernel(
+    h_ptr,  # [max_rows, I]
+    w_ptr,  # [E, H, I]
+    y_ptr,  # [N*K, H] out
+    topk_w_ptr,  # [N*K] routing weights
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    out_ptr,  # [N, H] (FUSED_REDUCE only)
+    mask_ptr,  # [N] int8 (FUSED_REDUCE with HAS_MASK only)
+    counter_ptr,  # [>= grid n] int32, zero between calls (FUSED_REDUCE only)
+    NK,
+    H,
+    I,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    FENCE: tl.constexpr,  # emit a gpu-scope fence per thread (real GPUs; the interpreter runs programs in order)
+    RED_T: tl.constexpr,  # tokens per reduce step
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    if pid_m < tl.load(num_blocks_ptr):
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        aid = tl.load(sorted_ids_ptr + rows)
+        valid = aid < NK
+        k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + k[None, :]  # [BM, BK]
+        w_ptrs = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kmask = (k0 + k) < I
+            a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        rw = tl.load(topk_w_ptr + aid, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+        tl.store(y_ptr + aid[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+    if FUSED_REDUCE:
+        # the last program of this column slice to finish sums every token's k rows of y (threadfence-reduction
+        # pattern: fence + barrier, then one acq_rel atomic per program; the counter goes back to 0)
+        if FENCE:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [n], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            num_tokens = NK // TOP_K
+            tt = tl.arange(0, RED_T)
+            for t0 in range(0, num_tokens, RED_T):
+                tok = t0 + tt
+                tmask = tok < num_tokens
+                if HAS_MASK:
+                    tmask = tmask & (tl.load(mask_ptr + tok, mask=tmask, other=0) != 0)
+                acc2 = tl.zeros([RED_T, BLOCK_N], tl.float32)
+                for j in tl.static_range(TOP_K):
+                    acc2 += tl.load(y_ptr + (tok[:, None].to(tl.int64) * TOP_K + j) * stride_ym + n[None, :],
+                                    mask=tmask[:, None] & nmask[None, :], other=0.0,
+                                    cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + tok[:, None].to(tl.int64) * H + n[None, :], acc2.to(out_ptr.dtype.element_ty),
+                         mask=(tok < num_tokens)[:, None] & nmask[None, :])
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. sum over each token's k assignments
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_reduce_kernel(
+    y_ptr,  # [N*K, H]
+    mask_ptr,  # [N] int8 or dummy
+    out_ptr,  # [N, H]
+    H,
+    TOP_K: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    if HAS_MASK:
+        hmask = hmask & (tl.load(mask_ptr + tok) != 0)  # masked tokens: their rows of y were never written
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (tok * TOP_K + j) * H + h, mask=hmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+def moe_align_triton(
+    flat_ids: Tensor,  # [N*k] expert of each assignment (token n's j-th expert at n*k + j)
+    token_mask: Tensor | None,  # [N] bool or None
+    num_experts: int,
+    top_k: int,
+    block_m: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group assignments by expert into blocks of block_m rows, on the device.
+
+    Returns sorted_ids [max_rows] int32 (assignment index, N*k on padding rows), block_expert [max_blocks] int32
+    (valid for blocks < num_blocks), num_blocks [1] int32, and the int8 token mask passed to the kernels
+    (or a dummy tensor). max_blocks = cdiv(N*k, block_m) + min(E, N*k), max_rows = max_blocks * block_m.
+    Rows past num_blocks * block_m are left unwritten. Within an expert, rows come in any order."""
+    nk = flat_ids.numel()
+    dev = flat_ids.device
+    max_blocks = triton.cdiv(nk, block_m) + min(num_experts, nk)
+    max_rows = max_blocks * block_m
+    e_p2 = triton.next_power_of_2(num_experts + 1)
+    work = torch.empty(max_rows + max_blocks + 1 + e_p2, dtype=torch.int32, device=dev)
+    sorted_ids = work[:max_rows]
+    block_expert = work[max_rows : max_rows + max_blocks]
+    num_blocks = work[max_rows + max_blocks : max_rows + max_blocks + 1]
+    cursor = work[max_rows + max_blocks + 1 :]
+    has_mask = token_mask is not None
+    mask = token_mask.to(torch.int8) if has_mask else work
+    chunk = min(triton.next_power_of_2(max(nk, 1)), 1024)
+    _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, nk, num_experts,
+                            TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk,
+                            num_warps=4 if chunk <= 256 else 8)
+    return sorted_ids, block_expert, num_blocks, mask
+
+
+def moe_align_ref(
+    flat_ids: Tensor, token_mask: Tensor | None, num_experts: int, top_k: int, block_m: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PyTorch reference of moe_align_triton (stable order inside each expert; host sync, for tests)."""
+    nk = flat_ids.numel()
+    ids = flat_ids.long().clone()
+    if token_mask is not None:
+        ids[~token_mask.bool().repeat_interleave(top_k)] = num_experts
+    max_blocks = triton.cdiv(nk, block_m) + min(num_experts, nk)
+    sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=flat_ids.device)
+    block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=flat_ids.device)
+    row = 0
+    for e in range(num_experts):
+        members = torch.nonzero(ids == e).flatten()
+        if members.numel() == 0:
+            continue
+        sorted_ids[row : row + members.numel()] = members.int()
+        nblk = triton.cdiv(members.numel(), block_m)
+        block_expert[row // block_m : row // block_m + nblk] = e
+        row += nblk * block_m
+    num_blocks = torch.tensor([row // block_m], dtype=torch.int32, device=flat_ids.device)
+    mask = token_mask.to(torch.int8) if token_mask is not None else sorted_ids
+    return sorted_ids, block_expert, num_blocks, mask
+
+
+def moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per expert block, from shapes only: 16 while experts see few tokens each, larger for prefill."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if per_expert <= 8:
+        return 16
+    if per_expert <= 32:
+        return 32
+    return 64
+
+
+# tile configs (BLOCK_N, BLOCK_K, num_warps, num_stages) per block_m; the bench can override them
+MOE_CONFIGS = {
+    16: {"gate_up": (32, 128, 4, 4), "down": (128, 128, 8, 3)},
+    32: {"gate_up": (64, 64, 4, 4), "down": (64, 64, 4, 4)},
+    64: {"gate_up": (64, 64, 4, 3), "down": (128, 64, 8, 3)},
+}
+# Launch structure by N*k (bench/kernels_moe_attn.py sweep on an H200, bench/NOTES_moe_attn.md): grouping inside
+# the gate/up kernel saved ~2.5 us up to N=4 and lost beyond N=16; the down kernel's own reduction (one launch
+# fewer) measured within noise at N=1, so it is off by default (it also needs counters shared per device).
+FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many assignments
+FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments
+
+_counters: dict = {}
+
+
+def _reduce_counters(device: torch.device, n: int) -> Tensor:
+    """Zeroed int32 counters the fused-reduce down kernel leaves at zero (one set per device: calls on one
+    device must not run concurrently on different streams)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
+
+
+def fused_moe_triton(
+    x: Tensor,  # [N, H]
+    w_gate_up: Tensor,  # [E, 2I, H]
+    w_down: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [N, k]
+    topk_ids: Tensor,  # [N, k] int64
+    token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
+    config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
+) -> Tensor:
+    """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
+
+    As fused_moe_ref, on the device without a host sync (graph-capturable)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = w_gate_up.shape
+    inter = two_i // 2
+    dev = x.device
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()  # [NK]
+    rw = topk_weights.reshape(-1).contiguous()  # [NK]
+    nk = ids.numel()
+    cfg = dict(config or {})
+    block_m = cfg.get("block_m") or moe_block_m(num_tokens, top_k, num_experts)
+    tiles = {**MOE_CONFIGS[block_m if block_m in MOE_CONFIGS else 64], **cfg}
+    fuse_align = cfg.get("fuse_align", nk <= FUSE_ALIGN_MAX_NK)
+    fuse_reduce = cfg.get("fuse_reduce", nk <= FUSE_REDUCE_MAX_NK)
+    max_blocks = triton.cdiv(nk, block_m) + min(num_experts, nk)
+    max_rows = max_blocks * block_m
+    e_p2 = triton.next_power_of_2(num_experts + 1)
+    has_mask = token_mask is not None
+
+    if fuse_align:
+        work = torch.empty(max_rows + max_blocks + 1, dtype=torch.int32, device=dev)
+        sorted_ids = work[:max_rows]
+        block_expert = work[max_rows : max_rows + max_blocks]
+        num_blocks = work[max_rows + max_blocks :]
+        mask = token_mask.to(torch.int8) if has_mask else work
+    else:
+        sorted_ids, block_expert, num_blocks, mask = moe_align_triton(ids, token_mask, num_experts, top_k, block_m)
+
+    h = torch.empty(max_rows, inter, dtype=x.dtype, device=dev)  # [max_rows, I]
+    bn, bk, warps, stages = tiles["gate_up"]
+    bk = min(bk, max(16, triton.next_power_of_2(hidden)))
+    _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, bn))](
+        x, w_gate_up, h, sorted_ids, block_expert, num_blocks, ids, mask, nk, num_experts, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FUSED_ALIGN=fuse_align, HAS_MASK=has_mask,
+        E_P2=e_p2, NK_P2=triton.next_power_of_2(nk), num_warps=warps, num_stages=stages)
+
+    y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
+    bn, bk, warps, stages = tiles["down"]
+    bk = min(bk, max(16, triton.next_power_of_2(inter)))
+    grid_n = triton.cdiv(hidden, bn)
+    counters = _reduce_counters(dev, grid_n) if fuse_reduce else num_blocks
+    _moe_down_kernel[(max_blocks, grid_n)](
+        h, w_down, y, rw, sorted_ids, block_expert, num_blocks, out, mask, counters, nk, hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, TOP_K=top_k, FUSED_REDUCE=fuse_reduce, HAS_MASK=has_mask,
+        FENCE=fuse_reduce and x.is_cuda, RED_T=16, num_warps=warps, num_stages=stages)
+
+    if not fuse_reduce:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            y, mask, out, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h, num_warps=4)
+    return out

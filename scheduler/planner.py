@@ -1,0 +1,235 @@
+"""The verification-length planner (host implementation, plain lists) and the `budget` / fixed baselines.
+
+Problem. Request i has survival s_ij (j = 1..K, non-increasing: probability that its first j drafts are all
+accepted) and a cap c_i. Choose L_i in [0, cap_i] for all requests jointly to maximize expected goodput
+
+    R(L) = (G0 + sum_i sum_{j<=L_i} s_ij) / (D0 + sum_i sum_{j<=L_i} c_ij)
+
+where G0 = tokens the step yields with every L_i = 0 (one per decode: E[accepted_i + 1] = 1 + sum_{j<=L_i} s_ij),
+D0 = predicted step ms with every L_i = 0, and c_ij > 0 = marginal ms of request i's j-th draft token under the
+linear latency model: ms_per_token + ms_per_expert * (expected new distinct experts of that token, summed over
+MoE layers; ExpertEstimator.batch_increments). Expert increments shrink with j (sublinear growth) and are small
+for requests whose footprint the batch already covers.
+
+Algorithm (plan_host). Per request, pool adjacent violators on the ratios s_ij / c_ij so that block ratios are
+non-increasing in j (blocks = segments of the upper concave hull of the points (C_i(L), S_i(L)), L = 0..cap_i,
+with C, S the cumulative costs and gains); without pooling a cheap 2nd draft could hide behind a costly 1st.
+With costs non-decreasing in j every block is a single token. Then greedily: keep a heap of each request's
+next block keyed by its ratio (marginal goodput per marginal ms); pop the best; add it if its ratio exceeds the
+current goodput R (exactly when adding it increases R: (N+s)/(D+c) > N/D iff s/c > N/D); stop at the first
+block that does not.
+O(B K log B) after O(B K) pooling.
+
+Why it is optimal. Let R* be the optimum. By Dinkelbach's argument, max_L [G0 + S(L) - R*(D0 + C(L))] = 0 and
+its maximizers are exactly the optimal L; that problem separates by request: maximize S_i(L_i) - R* C_i(L_i). A linear function of
+(C_i, S_i) with negative weight on C_i is maximized at a vertex of the upper concave hull of request i's points,
+where the hull's slopes (block ratios) cross R*: take every block with ratio > R* (ratio = R* is indifferent).
+So the optimum is a threshold set {blocks with ratio > R*}, which is a prefix of all blocks sorted by ratio.
+Along that order R rises while the next ratio exceeds R, and once a ratio r <= R the new R stays >= r >= every
+later ratio, so it can never rise again; so the greedy stop lands on the best prefix, hence on R*. The device version
+(planner_torch.plan_device) evaluates every prefix of the sorted order and takes the argmax, which is the same
+set. Tested against brute force.
+
+Expert overlap (plan_with_experts). The distinct-expert cost of a step is a coverage function of all its tokens,
+not a sum over requests: request i's drafts are cheap if other requests' tokens touch the same experts. The
+planner handles it by consistent linearization: at the current lengths L^t, give every request its exact
+marginal expert counts given everybody else at L^t (ExpertEstimator.batch_increments), set
+D0 = D(L^t) - sum_i C_i(L_i^t) so the linear model is exact at L^t and for any one request's deviation, solve
+that exactly (plan_host), repeat a few times, and keep the best iterate under the full coverage model. Coverage
+makes the cost non-separable and the problem non-convex: requests on rarely used experts share those experts'
+cost only if several of them draft, and a best-response iteration from L = 0 can miss that (each one alone
+finds drafting too costly). So it runs from two starts, L = 0 and L = caps, and the uniform plans
+min(k, cap_i), k = 0..K, are candidates as well: under the model the plan is never below plain decoding
+(k = 0) nor below any fixed K.
+
+Baselines: fixed_lengths (every request min(K, cap)) and budget_plan (vLLM adaptive verification: one batch-wide
+token budget maximizing (accepted + sampled) / cost(tokens) from a token-count-only cost table, spent on the
+highest survival scores).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from scheduler.latency_model import ExpertEstimator, Footprint, LatencyCoefs, PlanCost, StepComposition, TokenCostTable
+
+__all__ = ["Plan", "PlanCost", "budget_plan", "expected_goodput", "fixed_lengths", "item_costs_ms", "plan_host",
+           "plan_with_experts", "survival_from_acceptance"]
+
+_MIN_ITEM_MS = 1e-9  # marginal costs are clamped to this so ratios are defined
+
+
+@dataclass(frozen=True)
+class Plan:
+    lengths: list[int]  # L_i per request
+    expected_tokens: float  # G0 + sum of survivals taken = E[tokens committed by the step]
+    step_ms: float  # predicted step time under the cost model used
+
+    @property
+    def goodput_tokens_per_ms(self) -> float:
+        return self.expected_tokens / self.step_ms if self.step_ms > 0 else float("inf")
+
+
+def survival_from_acceptance(acceptance: Sequence[Sequence[float]]) -> list[list[float]]:
+    """s_ij = prod_{m<=j} acc_im from per-draft (calibrated, conditional) acceptance probabilities."""
+    out = []
+    for row in acceptance:
+        s, r = 1.0, []
+        for a in row:
+            s *= min(1.0, max(0.0, a))
+            r.append(s)
+        out.append(r)
+    return out
+
+
+def item_costs_ms(cost: PlanCost, num_items: int, expert_increments: Sequence[float] | None) -> list[float]:
+    """Marginal ms of a request's drafts 1..num_items."""
+    return [max(_MIN_ITEM_MS, cost.ms_per_token + cost.ms_per_expert *
+                (expert_increments[j] if expert_increments is not None and j < len(expert_increments) else 0.0))
+            for j in range(num_items)]
+
+
+def _clip_caps(survival: Sequence[Sequence[float]], caps: Sequence[int]) -> list[int]:
+    if len(caps) != len(survival):
+        raise ValueError(f"caps ({len(caps)}) and survival ({len(survival)}) must have one entry per request")
+    return [max(0, min(int(c), len(row))) for c, row in zip(caps, survival)]
+
+
+def expected_goodput(survival: Sequence[Sequence[float]], lengths: Sequence[int], cost: PlanCost,
+                     expert_increments: Sequence[Sequence[float]] | None = None,
+                     base_gain: float | None = None) -> Plan:
+    """Evaluates given lengths under the planner's cost model."""
+    gain = float(len(survival)) if base_gain is None else float(base_gain)
+    ms = cost.base_ms
+    for i, (row, L) in enumerate(zip(survival, lengths)):
+        gain += sum(row[:L])
+        ms += sum(item_costs_ms(cost, L, expert_increments[i] if expert_increments is not None else None))
+    return Plan(list(lengths), gain, ms)
+
+
+def _pool(gains: list[float], costs: list[float]) -> list[tuple[float, float, int]]:
+    """Pool adjacent violators: blocks (gain, cost, end index exclusive) with non-increasing gain/cost."""
+    blocks: list[list[float]] = []
+    for j, (g, c) in enumerate(zip(gains, costs)):
+        blocks.append([g, c, j + 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] < blocks[-1][0] * blocks[-2][1]:
+            g2, c2, end = blocks.pop()
+            blocks[-1][0] += g2
+            blocks[-1][1] += c2
+            blocks[-1][2] = end
+    return [(g, c, int(e)) for g, c, e in blocks]
+
+
+def plan_host(survival: Sequence[Sequence[float]], caps: Sequence[int], cost: PlanCost,
+              expert_increments: Sequence[Sequence[float]] | None = None,
+              base_gain: float | None = None) -> Plan:
+    """Joint verification lengths maximizing expected goodput (see the module docstring for the proof).
+
+    survival: [B][K_i] non-increasing survival probabilities; caps: [B] max verification length per request;
+    expert_increments: [B][K_i] expected new distinct experts per draft (None: token cost only);
+    base_gain: tokens yielded with every L_i = 0 (default B: one per decode).
+    """
+    caps = _clip_caps(survival, caps)
+    gain = float(len(survival)) if base_gain is None else float(base_gain)
+    ms = cost.base_ms
+    lengths = [0] * len(survival)
+    heap: list[tuple[float, int, int]] = []
+    blocks: list[list[tuple[float, float, int]]] = []
+    for i, (row, cap) in enumerate(zip(survival, caps)):
+        inc = expert_increments[i] if expert_increments is not None else None
+        b = _pool([float(x) for x in row[:cap]], item_costs_ms(cost, cap, inc))
+        blocks.append(b)
+        if b:
+            heapq.heappush(heap, (-b[0][0] / b[0][1], i, 0))
+    while heap:
+        neg_ratio, i, k = heapq.heappop(heap)
+        g, c, end = blocks[i][k]
+        if g * ms <= gain * c:  # ratio <= current goodput: no remaining block can raise it
+            break
+        gain += g
+        ms += c
+        lengths[i] = end
+        if k + 1 < len(blocks[i]):
+            g2, c2, _ = blocks[i][k + 1]
+            heapq.heappush(heap, (-g2 / c2, i, k + 1))
+    return Plan(lengths, gain, ms)
+
+
+def fixed_lengths(caps: Sequence[int], k: int) -> list[int]:
+    """The `fixed` policy: every request verifies min(k, cap_i)."""
+    return [max(0, min(k, int(c))) for c in caps]
+
+
+def budget_plan(survival: Sequence[Sequence[float]], caps: Sequence[int], table: TokenCostTable,
+                base_tokens: int, base_gain: float | None = None, draft_ms: float = 0.0) -> Plan:
+    """The `budget` baseline (vLLM adaptive verification): choose one batch-wide draft-token budget b
+    maximizing (base_gain + sum of the b highest survival scores) / (draft_ms + cost(base_tokens + b)) with a
+    token-count-only cost table, and give the b tokens to the highest survival scores (a prefix per request,
+    since survival is non-increasing in j). step_ms in the result is the table's estimate."""
+    caps = _clip_caps(survival, caps)
+    items = sorted(((float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap)),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    gain0 = float(len(survival)) if base_gain is None else float(base_gain)
+    best_b, best_r, gain = 0, gain0 / (draft_ms + table.cost_ms(base_tokens)), gain0
+    for b, (s, _, _) in enumerate(items, start=1):
+        gain += s
+        r = gain / (draft_ms + table.cost_ms(base_tokens + b))
+        if r > best_r:
+            best_b, best_r = b, r
+    lengths = [0] * len(survival)
+    gain = gain0
+    for s, i, j in items[:best_b]:
+        lengths[i] = max(lengths[i], j + 1)
+        gain += s
+    return Plan(lengths, gain, draft_ms + table.cost_ms(base_tokens + best_b))
+
+
+def plan_with_experts(survival: Sequence[Sequence[float]], caps: Sequence[int], coefs: LatencyCoefs,
+                      base: StepComposition, estimator: ExpertEstimator,
+                      footprints: Sequence[Footprint | None] | None = None, iterations: int = 2,
+                      base_gain: float | None = None, draft_ms: float = 0.0) -> Plan:
+    """Joint lengths under the latency model with the distinct-expert term estimated from routing statistics
+    and per-request footprints (module docstring: consistent linearization from two starts, best candidate
+    under the full coverage model kept; the uniform lengths min(k, cap_i), k = 0..K, are candidates too).
+
+    base: the step with every L_i = 0 (tokens_per_request: 1 per decode, the chunk size per prefill; context
+    lengths), one entry per row of survival/caps (prefill rows: cap 0). footprints: per request (None: global
+    routing). step_ms in the result is the full model's prediction, draft_ms included.
+    Candidate order (ties keep the earlier): uniform k = 0..K, then the iterates from L = 0, then from L = caps.
+    """
+    B = base.num_requests
+    if len(survival) != B:
+        raise ValueError(f"survival has {len(survival)} rows but the base composition {B} requests")
+    caps = _clip_caps(survival, caps)
+    fps = list(footprints) if footprints is not None else [None] * B
+    K = max((len(r) for r in survival), default=0)
+    gain0 = float(B) if base_gain is None else float(base_gain)
+    fixed_ms = (coefs.const_ms + coefs.ms_per_token * base.num_tokens + coefs.ms_per_request * B
+                + coefs.ms_per_context_token * base.context_tokens + draft_ms)
+    best: list[Plan] = []
+
+    def consider(lengths: list[int], experts: float) -> None:
+        step_ms = fixed_ms + coefs.ms_per_token * sum(lengths) + coefs.ms_per_expert * experts
+        gain = gain0 + sum(sum(row[:L]) for row, L in zip(survival, lengths))
+        if not best or gain * best[0].step_ms > best[0].expected_tokens * step_ms:
+            best[:] = [Plan(list(lengths), gain, step_ms)]
+
+    for k in range(K + 1):
+        uniform = fixed_lengths(caps, k)
+        consider(uniform, estimator.batch_increments(fps, base.tokens_per_request, 0, uniform)[1])
+    for start in ([0] * B, list(caps)):
+        lengths = start
+        inc, experts = estimator.batch_increments(fps, base.tokens_per_request, K, lengths)
+        for _ in range(iterations):
+            step_ms = fixed_ms + coefs.ms_per_token * sum(lengths) + coefs.ms_per_expert * experts
+            own_ms = sum(coefs.ms_per_token * L + coefs.ms_per_expert * sum(inc[i][:L]) for i, L in enumerate(lengths))
+            new = plan_host(survival, caps, PlanCost(step_ms - own_ms, coefs.ms_per_token, coefs.ms_per_expert),
+                            inc, gain0).lengths
+            if new == lengths:
+                break
+            lengths = new
+            inc, experts = estimator.batch_increments(fps, base.tokens_per_request, K, lengths)
+            consider(lengths, experts)
+    return best[0]

@@ -1,0 +1,355 @@
+"""Latency model, expert estimator, calibration and the verification-length planner (pure policy; CPU, fast)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from scheduler.calibration import AcceptanceCalibrator
+from scheduler.latency_model import (ExpertEstimator, LatencyCoefs, LatencyModel, PlanCost, StepComposition,
+                                     TokenCostTable, footprint_from_routing)
+from scheduler.planner import (budget_plan, expected_goodput, fixed_lengths, plan_host, plan_with_experts,
+                               survival_from_acceptance)
+from scheduler.planner_torch import (budget_plan_device, calibrate_device, footprint_touch_probs, plan_device,
+                                     plan_with_experts_device, survival_device)
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def zipf_probs(num_experts: int, s: float = 1.0) -> list[float]:
+    w = [1.0 / (e + 1) ** s for e in range(num_experts)]
+    z = sum(w)
+    return [x / z for x in w]
+
+
+def route(rng: random.Random, log_w: list[float], top_k: int) -> list[int]:
+    """One token's top-k experts: Gumbel-top-k = sampling without replacement proportional to the weights."""
+    keys = [lw - math.log(-math.log(rng.random() or 1e-300)) for lw in log_w]
+    return sorted(range(len(keys)), key=keys.__getitem__, reverse=True)[:top_k]
+
+
+def random_survival(rng: random.Random, b: int, k: int) -> list[list[float]]:
+    return survival_from_acceptance([[rng.random() ** 0.4 for _ in range(k)] for _ in range(b)])
+
+
+def random_composition(rng: random.Random, layers: int) -> StepComposition:
+    b = rng.randint(1, 64)
+    toks = [rng.randint(1, 17) for _ in range(b)]
+    ctx = [rng.randint(16, 4096) for _ in range(b)]
+    experts = [rng.randint(8, 200) for _ in range(layers)]
+    return StepComposition(toks, ctx, num_moe_layers=layers, distinct_experts_per_layer=experts)
+
+
+TRUE = LatencyCoefs(const_ms=1.5, ms_per_token=0.004, ms_per_expert=0.0015, ms_per_request=0.02,
+                    ms_per_context_token=2e-5)
+
+
+def true_ms(comp: StepComposition, coefs: LatencyCoefs = TRUE) -> float:
+    return (coefs.const_ms + coefs.ms_per_token * comp.num_tokens + coefs.ms_per_expert * comp.experts_total()
+            + coefs.ms_per_request * comp.num_requests + coefs.ms_per_context_token * comp.context_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# latency model
+
+
+def test_latency_model_fit_recovers_coefficients_and_reports_error():
+    rng = random.Random(0)
+    train = [(c, true_ms(c) * (1 + rng.gauss(0, 0.01))) for c in (random_composition(rng, 10) for _ in range(400))]
+    held = [(c, true_ms(c) * (1 + rng.gauss(0, 0.01))) for c in (random_composition(rng, 10) for _ in range(100))]
+    model = LatencyModel()
+    coefs = model.fit(train)
+    for got, want in zip(coefs.as_list(), TRUE.as_list()):
+        assert got == pytest.approx(want, rel=0.08)
+    stats = model.evaluate(held)
+    assert stats.n == 100 and stats.mean_abs_pct < 1.5 and stats.p90_abs_pct < 3.0
+
+    # online: starts empty, fits itself after min_samples, reports prequential error, tracks a change
+    online = LatencyModel(refit_every=8)
+    for comp, ms in train[:200]:
+        online.observe(comp, ms)
+    assert online.fitted and online.error_stats().n == 200 - online.min_samples
+    slower = LatencyCoefs(**{**TRUE.__dict__, "ms_per_expert": 3 * TRUE.ms_per_expert})
+    for comp in (random_composition(rng, 10) for _ in range(600)):
+        online.observe(comp, true_ms(comp, slower))
+    assert online.coefs.ms_per_expert == pytest.approx(slower.ms_per_expert, rel=0.05)
+    assert online.evaluate((c, true_ms(c, slower)) for c, _ in held).mean_abs_pct < 1.0
+
+
+def test_latency_model_nonnegative_and_estimated_experts():
+    rng = random.Random(1)
+    no_ctx = LatencyCoefs(const_ms=1.0, ms_per_token=0.01, ms_per_expert=0.002, ms_per_request=0.0)
+    data = [(c, true_ms(c, no_ctx) + rng.gauss(0, 0.01)) for c in (random_composition(rng, 4) for _ in range(200))]
+    coefs = LatencyModel(relative=False).fit(data)
+    assert all(v >= 0 for v in coefs.as_list())
+    assert coefs.ms_per_request < 1e-3 and coefs.ms_per_context_token < 1e-6
+    # before routing, the expert feature comes from the estimator
+    est = ExpertEstimator(num_layers=4, num_experts=64, top_k=4)
+    model = LatencyModel(coefs=no_ctx, estimator=est)
+    comp = StepComposition([1, 1], [10, 20], num_moe_layers=4)
+    assert model.predict(comp) == pytest.approx(1.0 + 0.02 + 0.002 * est.expected_distinct_total(2))
+    with pytest.raises(ValueError):
+        LatencyModel(coefs=no_ctx).predict(comp)
+
+
+def test_token_cost_table():
+    table = TokenCostTable.fit([(1, 2.0), (1, 2.2), (4, 2.0), (8, 3.0), (16, 5.0)])
+    assert table.cost_ms(1) == pytest.approx(6.2 / 3)  # (1) and (4) pooled, by sample count, to stay monotone
+    assert table.cost_ms(4) == pytest.approx(6.2 / 3)
+    assert table.cost_ms(12) == pytest.approx(4.0)
+    assert table.cost_ms(32) > table.cost_ms(16)
+    table.observe(32, 9.0)
+    assert table.cost_ms(32) == pytest.approx(9.0)
+    assert table.dense_ms(3)[0] == table.cost_ms(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# expert estimator
+
+
+def test_expert_estimator_converges_on_zipf_routing():
+    rng = random.Random(2)
+    E, K, LAYERS = 64, 4, 2
+    log_w = [math.log(p) for p in zipf_probs(E)]
+    est = ExpertEstimator(num_layers=LAYERS, num_experts=E, top_k=K)
+    assert est.expected_distinct_total(1) == pytest.approx(K * LAYERS)
+    uniform_16 = est.expected_distinct_total(16)
+    for _ in range(150):  # 150 steps of 16 tokens
+        est.observe_routing([[e for _ in range(16) for e in route(rng, log_w, K)] for _ in range(LAYERS)])
+    for n in (1, 4, 16, 64):
+        trials = [sum(len({e for _ in range(n) for e in route(rng, log_w, K)}) for _ in range(LAYERS))
+                  for _ in range(max(20, 600 // n))]
+        truth = sum(trials) / len(trials)
+        assert est.expected_distinct_total(n) == pytest.approx(truth, rel=0.04), n
+        est.observe_distinct(n, [trials[0] // LAYERS] * LAYERS)
+    assert uniform_16 > 1.3 * est.expected_distinct_total(16)  # it learned the skew
+    assert est.error_stats().n == 4
+
+
+def test_expert_estimator_learns_locality_and_footprint_cost():
+    rng = random.Random(3)
+    E, K = 32, 4
+    log_w = [math.log(p) for p in zipf_probs(E)]
+    est = ExpertEstimator(num_layers=1, num_experts=E, top_k=K)
+    for _ in range(50):
+        est.observe_routing([[e for _ in range(16) for e in route(rng, log_w, K)]])
+    true_locality = 0.6
+    for _ in range(400):
+        fp_experts = rng.sample(range(E), 8)
+        fp = footprint_from_routing([fp_experts])
+        ids = []
+        for _ in range(4):
+            ids += rng.sample(fp_experts, K) if rng.random() < true_locality else route(rng, log_w, K)
+        est.observe_request(fp, [ids])
+    assert est.locality == pytest.approx(true_locality, abs=0.08)
+    # a request whose footprint is the batch's popular experts costs less than one on rare experts
+    popular, rare = footprint_from_routing([[0, 1, 2, 3]]), footprint_from_routing([[28, 29, 30, 31]])
+    inc, _ = est.batch_increments([None] * 6 + [popular, rare], [1] * 8, 4)
+    assert inc[6][0] < 0.6 * inc[7][0]
+    assert all(row[j + 1] <= row[j] + 1e-12 for row in inc for j in range(3))  # sublinear
+
+
+# ---------------------------------------------------------------------------------------------------------
+# planner: optimality
+
+
+def brute_force(survival, caps, cost, inc):
+    return max((expected_goodput(survival, list(L), cost, inc) for L in
+                itertools.product(*[range(c + 1) for c in caps])), key=lambda p: p.goodput_tokens_per_ms)
+
+
+def random_instance(rng: random.Random, b: int, k: int):
+    survival = random_survival(rng, b, k)
+    caps = [rng.randint(0, k) for _ in range(b)]
+    # expert increments: sublinear (decreasing) for most rows, so costs fall with j and pooling is exercised
+    inc = [sorted((rng.random() * 8 for _ in range(k)), reverse=rng.random() < 0.8) for _ in range(b)]
+    cost = PlanCost(base_ms=rng.uniform(1, 10), ms_per_token=rng.uniform(0.01, 1.0), ms_per_expert=rng.uniform(0, 0.5))
+    return survival, caps, cost, inc
+
+
+def test_planner_equals_brute_force():
+    rng = random.Random(4)
+    for _ in range(300):
+        survival, caps, cost, inc = random_instance(rng, rng.randint(1, 4), rng.randint(1, 4))
+        plan = plan_host(survival, caps, cost, inc)
+        best = brute_force(survival, caps, cost, inc)
+        assert plan.goodput_tokens_per_ms == pytest.approx(best.goodput_tokens_per_ms, rel=1e-12)
+        assert all(0 <= L <= c for L, c in zip(plan.lengths, caps))
+        again = expected_goodput(survival, plan.lengths, cost, inc)
+        assert again.expected_tokens == pytest.approx(plan.expected_tokens)
+        assert again.step_ms == pytest.approx(plan.step_ms)
+
+
+def test_planner_chooses_zero_when_drafts_are_worthless_and_cap_when_free():
+    cost = PlanCost(base_ms=5.0, ms_per_token=0.05, ms_per_expert=0.01)
+    worthless = [[1e-4 * 0.5 ** j for j in range(8)] for _ in range(6)]
+    assert plan_host(worthless, [8] * 6, cost, [[8.0] * 8] * 6).lengths == [0] * 6
+    assert plan_device(torch.tensor(worthless, dtype=torch.float64), torch.full((6,), 8), 5.0, 0.05, 0.01,
+                       torch.full((6, 8), 8.0)).tolist() == [0] * 6
+    sure = [[1.0] * 8 for _ in range(6)]
+    assert plan_host(sure, [8, 3, 0, 8, 8, 1], cost).lengths == [8, 3, 0, 8, 8, 1]
+    # mixed: the worthless request decodes plainly while the others speculate
+    mixed = [[0.95 ** (j + 1) for j in range(8)], [0.01 ** (j + 1) for j in range(8)]]
+    L = plan_host(mixed, [8, 8], cost).lengths
+    assert L[0] > 0 and L[1] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# planner vs fixed K and budget where experts dominate the step
+
+E_W, TOPK_W, LAYERS_W, K_W = 64, 4, 2, 6
+# experts dominate: a step of B decodes touching ~50-90 distinct experts spends 5-9 ms on them, 0.2 ms on the rest
+WORLD = LatencyCoefs(const_ms=0.2, ms_per_token=0.005, ms_per_expert=0.1)
+
+
+def world_estimator() -> ExpertEstimator:
+    est = ExpertEstimator(LAYERS_W, E_W, TOPK_W, locality=0.7)
+    zp = zipf_probs(E_W)
+    est.observe_counts([[4000 * TOPK_W * p for p in zp] for _ in range(LAYERS_W)])
+    return est
+
+
+def world_goodput(est, survival, footprints, lengths) -> float:
+    """Ground truth of the synthetic world: the full coverage model (distinct experts of the union of every
+    request's tokens, with their footprints), not the planner's linearization."""
+    _, experts = est.batch_increments(footprints, [1] * len(survival), 0, lengths)
+    ms = WORLD.const_ms + WORLD.ms_per_token * (len(survival) + sum(lengths)) + WORLD.ms_per_expert * experts
+    return (len(survival) + sum(sum(r[:L]) for r, L in zip(survival, lengths))) / ms
+
+
+def world_table(est) -> TokenCostTable:
+    """budget's start-up profile: cost by token count, measured with globally routed tokens (exact for them)."""
+    return TokenCostTable.fit((t, WORLD.const_ms + WORLD.ms_per_token * t + WORLD.ms_per_expert *
+                               est.expected_distinct_total(t)) for t in range(1, 16 * (K_W + 1) + 1))
+
+
+def footprint(rng: random.Random, popular: bool):
+    """A request whose recent tokens used the 8 most popular experts, or 16 of the rarely used half."""
+    return footprint_from_routing([rng.sample(range(8), 8) if popular else rng.sample(range(E_W // 2, E_W), 16)
+                                   for _ in range(LAYERS_W)])
+
+
+def world_batches(rng: random.Random):
+    for b in (1, 2, 4, 8, 16) * 3:
+        footprints = [footprint(rng, rng.random() < 0.5) for _ in range(b)]
+        survival = [[a ** (j + 1) for j in range(K_W)] for a in (rng.choice([0.3, 0.6, 0.8, 0.9, 0.95])
+                                                                  for _ in range(b))]
+        yield survival, footprints
+
+
+def hybridspec(est, survival, footprints):
+    base = StepComposition([1] * len(survival), [0] * len(survival), num_moe_layers=LAYERS_W)
+    return plan_with_experts(survival, [K_W] * len(survival), WORLD, base, est, footprints).lengths
+
+
+def compare(est, table, survival, fps) -> tuple[float, float]:
+    """(hybridspec / budget, hybridspec / best fixed K) expected goodput in the synthetic world."""
+    caps = [K_W] * len(survival)
+    ours = world_goodput(est, survival, fps, hybridspec(est, survival, fps))
+    best_fixed = max(world_goodput(est, survival, fps, fixed_lengths(caps, k)) for k in range(K_W + 1))
+    budget = world_goodput(est, survival, fps, budget_plan(survival, caps, table, len(survival)).lengths)
+    return ours / budget, ours / best_fixed
+
+
+def test_planner_beats_every_fixed_k_and_budget_when_experts_dominate():
+    est = world_estimator()
+    table = world_table(est)
+    rng = random.Random(5)
+    for survival, fps in world_batches(rng):
+        vs_budget, vs_fixed = compare(est, table, survival, fps)
+        assert vs_budget >= 1 - 1e-9 and vs_fixed >= 1 - 1e-9, (len(survival), vs_budget, vs_fixed)
+    # footprints differ, survival does not: budget and fixed K cannot tell cheap drafts (experts the batch
+    # touches anyway) from costly ones; the planner verifies more of the cheap ones
+    for b in (2, 4, 8):
+        for a in (0.6, 0.7):
+            fps = [footprint(rng, i % 2 == 0) for i in range(b)]
+            survival = [[a ** (j + 1) for j in range(K_W)] for _ in range(b)]
+            vs_budget, vs_fixed = compare(est, table, survival, fps)
+            assert vs_budget > 1.02 and vs_fixed > 1.02, (b, a, vs_budget, vs_fixed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# calibration
+
+
+def test_calibration_maps_overconfident_drafter_down():
+    rng = random.Random(6)
+    cal = AcceptanceCalibrator(num_bins=10, max_positions=4)
+    for _ in range(6000):
+        conf = rng.uniform(0.6, 1.0)
+        pos = rng.randrange(4)
+        cal.observe("ngram", pos, conf, rng.random() < 0.5 * conf)  # says 0.9, is accepted 45% of the time
+        good = rng.random()
+        cal.observe("mtp", pos, good, rng.random() < good)  # calibrated already
+    for pos in range(4):
+        assert cal.calibrate("ngram", pos, 0.9) == pytest.approx(0.45, abs=0.06)
+        assert cal.calibrate("mtp", pos, 0.3) == pytest.approx(0.3, abs=0.06)
+    vals = cal.table("ngram")[0]
+    assert all(a <= b + 1e-12 for a, b in zip(vals, vals[1:]))
+    st = cal.stats("ngram")
+    assert st.ece_raw > 0.35 and st.ece_calibrated < 0.06 and st.n == 6000
+    assert cal.stats("mtp").ece_calibrated < 0.06
+
+
+def test_calibration_observes_only_up_to_first_rejection():
+    cal = AcceptanceCalibrator(max_positions=8, prior_weight=0.0)
+    for _ in range(10):
+        cal.observe_verification("d", [0.95] * 6, num_verified=6, num_accepted=2)
+    assert cal.calibrate("d", 0, 0.95) == pytest.approx(1.0)  # a bin centre: no interpolation
+    assert cal.calibrate("d", 2, 0.95) == pytest.approx(0.0, abs=1e-6)
+    assert cal.stats("d").n == 30  # positions 0, 1 accepted, 2 rejected; 3..5 unobserved
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device implementations agree with the host
+
+
+def test_device_plan_equals_host_plan():
+    rng = random.Random(7)
+    for _ in range(150):
+        b, k = rng.randint(1, 32), rng.randint(1, 16)
+        survival, caps, cost, inc = random_instance(rng, b, k)
+        host = plan_host(survival, caps, cost, inc)
+        dev = plan_device(torch.tensor(survival, dtype=torch.float64), torch.tensor(caps), cost.base_ms,
+                          cost.ms_per_token, cost.ms_per_expert, torch.tensor(inc, dtype=torch.float64))
+        assert dev.tolist() == host.lengths
+        table = TokenCostTable.fit([(t, 2.0 + 0.3 * t ** 0.8) for t in range(1, b * (k + 1) + 1, 3)])
+        hb = budget_plan(survival, caps, table, b, draft_ms=0.5)
+        db = budget_plan_device(torch.tensor(survival, dtype=torch.float64), torch.tensor(caps),
+                                torch.tensor(table.dense_ms(b * (k + 1)), dtype=torch.float64), b, draft_ms=0.5)
+        assert db.tolist() == hb.lengths
+    acc = torch.rand(5, 7, dtype=torch.float64)
+    want = torch.tensor(survival_from_acceptance(acc.tolist()), dtype=torch.float64)
+    assert torch.allclose(survival_device(acc), want, rtol=1e-12, atol=0)
+
+
+def test_device_plan_with_experts_and_calibration_equal_host():
+    est = world_estimator()
+    rng = random.Random(8)
+    table = torch.tensor(est.touch_prob_table(), dtype=torch.float64)
+    for survival, fps in list(world_batches(rng))[:10]:
+        b = len(survival)
+        host = hybridspec(est, survival, fps)
+        counts = torch.zeros(b, LAYERS_W, E_W, dtype=torch.float64)
+        for i, fp in enumerate(fps):
+            for layer, d in enumerate(fp):
+                for e, c in d.items():
+                    counts[i, layer, e] = c
+        dev = plan_with_experts_device(torch.tensor(survival, dtype=torch.float64), torch.full((b,), K_W),
+                                       WORLD.const_ms + WORLD.ms_per_token * b, WORLD.ms_per_token,
+                                       WORLD.ms_per_expert, table, torch.ones(b, dtype=torch.long),
+                                       footprint_touch_probs(counts, TOPK_W), est.locality)
+        assert dev.tolist() == host
+    cal = AcceptanceCalibrator(max_positions=3)
+    for _ in range(500):
+        c = rng.random()
+        cal.observe("d", rng.randrange(5), c, rng.random() < c * c)
+    conf = torch.rand(4, 5, dtype=torch.float64)
+    got = calibrate_device(conf, torch.tensor(cal.table("d"), dtype=torch.float64))
+    want = [cal.calibrate_row("d", row) for row in conf.tolist()]
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
