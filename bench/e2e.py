@@ -94,7 +94,7 @@ class RunResult:
 def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft: int, page_size: int,
           num_pages: int, policy: str) -> RunResult:
     """Runs every prompt to completion through the engine's scheduler and the runner; all arrive at once."""
-    runner.policy = policy if policy in ("ar", "fixed") else "fixed"
+    runner.set_policy(policy if not policy.startswith("fixed") else "fixed", max_draft or 16)
     memory = MemoryManager(num_pages, page_size, len(prompts))
     sched = Scheduler(memory, len(prompts), max_step_tokens=8192, max_model_len=1 << 20,
                       max_draft=0 if policy == "ar" else max_draft)
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--acceptance", default="0.5,0.7,0.85,0.95")
-    ap.add_argument("--policies", default="fixed4,fixed16")
+    ap.add_argument("--policies", default="fixed4,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--drafter-layers", type=int, default=2)
@@ -216,7 +216,7 @@ def main() -> None:
             for policy in args.policies.split(","):
                 k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
                 runner.drafter = replay
-                res = serve(runner, prompts, args.max_new, k, page_size, num_pages, "fixed")
+                res = serve(runner, prompts, args.max_new, k, page_size, num_pages, policy)
                 res.policy, res.acceptance = policy, acceptance
                 assert res.tokens == ar.tokens, f"{policy} at acceptance {acceptance} changed the greedy output"
                 row = res.row()

@@ -38,7 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 32768)
     executor: str = "local"  # where the worker runs: "local" (this process) or "ray" (a Ray actor)
     spec: str = "off"  # drafter: off | ngram | draft | replay
-    policy: str = "fixed"  # ar | fixed (budget and hybridspec arrive with the planner)
+    policy: str = "fixed"  # ar | fixed | budget | hybridspec
     max_verify_len: int = 16  # most drafted tokens one request verifies in a step
     draft_model: str | None = None
     replay_acceptance: float = 0.85
@@ -96,7 +96,7 @@ class EngineCore:
                                    max_draft=config.max_verify_len if speculating else 0)
         self.executor = create_executor(config.executor, WorkerSpec(
             str(model_dir), config.dtype, config.device, num_pages, config.page_size, config.max_running,
-            spec=config.spec, policy=config.policy, draft_model=config.draft_model,
+            spec=config.spec, policy=config.policy, max_verify_len=config.max_verify_len, draft_model=config.draft_model,
             replay_acceptance=config.replay_acceptance))
         self.live: dict[str, _Live] = {}
 

@@ -26,7 +26,8 @@ class WorkerSpec:
     page_size: int
     num_slots: int
     spec: str = "off"  # drafter: off | ngram | draft | replay
-    policy: str = "fixed"  # verification-length policy run by the worker: ar | fixed
+    policy: str = "fixed"  # verification-length policy run by the worker: ar | fixed | budget | hybridspec
+    max_verify_len: int = 16
     draft_model: str | None = None  # directory of the draft model (spec "draft"; the replay drafter's cost)
     replay_acceptance: float = 0.85  # spec "replay": probability that each proposed token is right
     seed: int = 0
@@ -36,7 +37,7 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
     runner = ModelRunner.create(ModelConfig.from_dir(spec.model_dir), Path(spec.model_dir), dtype, spec.device,
                                 spec.num_pages, spec.page_size, spec.num_slots)
-    runner.policy = spec.policy
+    runner.set_policy(spec.policy, spec.max_verify_len)
     if spec.spec == "mtp":
         from workers.mtp import MTPDrafter
 

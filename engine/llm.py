@@ -14,7 +14,7 @@ SPEC_METHODS = ("off", "ngram", "draft", "mtp", "replay")
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 MAX_VERIFY_LEN = 16
 AVAILABLE_SPEC = ("off", "ngram", "draft", "mtp", "replay")
-AVAILABLE_POLICIES = ("ar", "fixed")  # budget and hybridspec arrive with the planner
+AVAILABLE_POLICIES = POLICIES
 
 
 @dataclass

@@ -197,3 +197,26 @@ def test_sampled_first_two_tokens_follow_the_target_distribution_with_speculatio
     pairs = Counter(r.token_ids[0] * TINY_VOCAB + r.token_ids[1] for r in out)
     assert _chi_square_p(pairs, wrong, n) < 0.01
     assert math.isfinite(pvalues["off"])
+
+
+@pytest.mark.parametrize("policy", ["budget", "hybridspec"])
+def test_learned_policies_are_lossless_after_warm_up(reference, policy):
+    """The latency model warms up on the first steps, then the planner (budget or hybridspec with the router
+    correction's extra token) picks the lengths; tokens stay identical."""
+    llm = LLM(spec="replay", policy=policy, max_verify_len=6, replay_acceptance=0.7)
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    tokens, stats = run(llm)
+    assert tokens == reference
+    runner_policy = llm.engine.executor.runner.policy
+    assert runner_policy.warm()  # the learned path really ran
+    assert sum(s.draft_tokens for s in stats) > 0
+
+
+def test_router_correction_keeps_extra_tokens_only_when_their_experts_are_covered():
+    from kernels.moe import router_correction_ref
+
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [4, 5], [3, 2]])  # rows 2 and 3 and 4 are extra tokens
+    extra = torch.tensor([False, False, True, True, True])
+    mask = router_correction_ref(ids, extra, num_experts=8)
+    assert mask.tolist() == [True, True, True, False, True]

@@ -8,18 +8,31 @@ workers.weights converts the other layouts on load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.attention import paged_attention_ref, write_kv_ref
-from kernels.conv import causal_conv1d_ref, conv_commit_ref
-from kernels.gdn import gdn_commit_ref, gdn_ref
-from kernels.moe import fused_moe_ref, route_ref
+from kernels import dispatch
+from kernels.moe import distinct_experts_ref, router_correction_ref
 from kernels.norm import gated_rmsnorm_ref, rmsnorm_ref
 from workers.batch import ForwardBatch
 from workers.cache import AttentionKV, GDNScratch, GDNState, ModelCache, StepScratch
 from workers.config import FULL_ATTENTION, ModelConfig
+
+
+@dataclass
+class MoEContext:
+    """Per-forward MoE bookkeeping. In: `extra_rows` [N] bool marks each verifying request's extra token.
+    Out: `token_mask` [N] bool after the router correction at the first MoE layer (False = masked out of all
+    later expert work), and the distinct experts touched per MoE layer (device scalars)."""
+
+    extra_rows: Tensor | None = None
+    token_mask: Tensor | None = None
+    distinct_experts: list[Tensor] = field(default_factory=list)
+    collect_counts: bool = False  # also keep each layer's per-expert token counts (routing statistics)
+    expert_counts: list[Tensor] = field(default_factory=list)
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -91,8 +104,8 @@ class Attention(nn.Module):
         q = self.rope.apply(self.q_norm(q), cos, sin)
         k = self.rope.apply(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        write_kv_ref(k, v, kv.k, kv.v, batch.page_table, batch.positions, batch.request_of_row)
-        o = paged_attention_ref(q, kv.k, kv.v, batch.page_table, batch.cu_seqlens, batch.context_lens,
+        dispatch.write_kv(k, v, kv.k, kv.v, batch.page_table, batch.positions, batch.request_of_row)
+        o = dispatch.paged_attention(q, kv.k, kv.v, batch.page_table, batch.cu_seqlens, batch.context_lens,
                                 self.head_dim ** -0.5, batch.query_lens, batch.context_lens_host)  # [N, H, D]
         o = o.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(o)
@@ -126,14 +139,14 @@ class GatedDeltaNet(nn.Module):
         S_0 and their block inputs go into `scratch[layer_index]` for the commit."""
         n = x.shape[0]
         conv_in = self.in_proj_qkv(x)  # [N, conv_dim]
-        mixed = causal_conv1d_ref(conv_in, self.conv1d.weight[:, 0, :], batch.cu_seqlens, state.conv,
+        mixed = dispatch.causal_conv1d(conv_in, self.conv1d.weight[:, 0, :], batch.cu_seqlens, state.conv,
                                   batch.state_slots, batch.max_query_len, write)  # [N, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
         v = v.reshape(n, self.hv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))  # [N, HV]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, HV] log decay
-        o = gdn_ref(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
+        o = dispatch.gdn(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
                     batch.max_query_len, write_state=write)  # [N, HV, DV]
         if scratch is not None:
             scratch[layer_index] = GDNScratch(conv_in, k, v, g, beta)
@@ -175,11 +188,21 @@ class SparseMoe(nn.Module):
         logits = F.linear(x, self.gate.weight)  # [N, E]
         if self.router_bias is not None:
             logits = logits + self.router_bias
-        return route_ref(logits, self.top_k, self.renormalize)
+        return dispatch.route(logits, self.top_k, self.renormalize)
 
-    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, ctx: MoEContext | None = None) -> Tensor:
         weights, ids = self.route(x)
-        routed = fused_moe_ref(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
+        token_mask = None
+        if ctx is not None:
+            if ctx.extra_rows is not None and ctx.token_mask is None:  # the first router: correction
+                ctx.token_mask = router_correction_ref(ids, ctx.extra_rows, self.experts.gate_up_proj.shape[0])
+            token_mask = ctx.token_mask
+            num_experts = self.experts.gate_up_proj.shape[0]
+            ctx.distinct_experts.append(distinct_experts_ref(ids, token_mask, num_experts))
+            if ctx.collect_counts:
+                kept = ids if token_mask is None else ids[token_mask]
+                ctx.expert_counts.append(torch.bincount(kept.reshape(-1), minlength=num_experts))
+        routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
 
@@ -200,14 +223,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, x: Tensor, batch: ForwardBatch, state, cos: Tensor, sin: Tensor,
-                write: bool | Tensor = True, scratch: dict | None = None, layer_index: int = -1) -> Tensor:
+                write: bool | Tensor = True, scratch: dict | None = None, layer_index: int = -1,
+                moe: MoEContext | None = None) -> Tensor:
         h = self.input_layernorm(x)
         if self.kind == FULL_ATTENTION:
             h = self.self_attn(h, batch, state, cos, sin)
         else:
             h = self.linear_attn(h, batch, state, write, scratch, layer_index)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, moe) if isinstance(self.mlp, SparseMoe) else self.mlp(h))
 
 
 class HybridModel(nn.Module):
@@ -233,13 +258,14 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows: Tensor | None = None,
                 write: bool | Tensor = True, scratch: StepScratch | None = None,
-                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                return_hidden: bool = False, moe: MoEContext | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Runs every request's new tokens against its cached state and returns logits [M, V] for the flat
         rows in `logit_rows` (default: every request's last token).
 
         KV of every new token is written to its pages (rollback = the length moves back). GDN state and conv
         windows advance only for requests selected by `write` (True = all, or a [B] bool mask); the others
-        are left at S_0 with their block inputs in `scratch`, to be advanced by `commit`.
+        are left at S_0 with their block inputs in `scratch`, to be advanced by `commit`. `moe` carries the
+        router correction of extra verification tokens and collects distinct experts per MoE layer.
         """
         if scratch is None and not (write is True):
             raise ValueError("a forward that does not write every request's GDN state needs a StepScratch")
@@ -247,7 +273,7 @@ class HybridModel(nn.Module):
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         layers_scratch = scratch.layers if scratch is not None else None
         for i, (layer, state) in enumerate(zip(self.model.layers, cache.layers)):
-            x = layer(x, batch, state, cos, sin, write, layers_scratch, i)
+            x = layer(x, batch, state, cos, sin, write, layers_scratch, i, moe)
         rows = batch.last_token_rows() if logit_rows is None else logit_rows
         if return_hidden:  # final-normed hidden state of every row (the MTP head's input)
             hidden = self.model.norm(x)
@@ -267,7 +293,7 @@ class HybridModel(nn.Module):
             return
         for i, block in scratch.layers.items():
             state = cache.layers[i]
-            gdn_commit_ref(block.k, block.v, block.g, block.beta, batch.cu_seqlens, keep, state.recurrent,
+            dispatch.gdn_commit(block.k, block.v, block.g, block.beta, batch.cu_seqlens, keep, state.recurrent,
                            batch.state_slots, batch.max_query_len)
-            conv_commit_ref(block.conv_in, batch.cu_seqlens, keep, state.conv, batch.state_slots,
+            dispatch.conv_commit(block.conv_in, batch.cu_seqlens, keep, state.conv, batch.state_slots,
                             batch.max_query_len)

@@ -17,20 +17,20 @@ from workers.batch import ForwardBatch
 from workers.cache import ModelCache, StepScratch
 from workers.config import ModelConfig
 from workers.drafters import Drafter, DraftRequest
-from workers.model import HybridModel
+from workers.model import HybridModel, MoEContext
+from workers.policy import LengthPolicy, StepObservation
 from workers.sampling import make_generator
-
-POLICIES = ("ar", "fixed")
-
 
 class ModelRunner:
     def __init__(self, model: HybridModel, cache: ModelCache, drafter: Drafter | None = None,
-                 policy: str = "fixed"):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES} in this build, got {policy!r}")
-        self.model, self.cache, self.drafter, self.policy = model, cache, drafter, policy
+                 policy: str = "fixed", max_verify_len: int = 16):
+        self.model, self.cache, self.drafter = model, cache, drafter
         self.device = model.device
         self.generators: dict[str, torch.Generator | None] = {}
+        self.set_policy(policy, max_verify_len)
+
+    def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
+        self.policy = LengthPolicy(policy, self.model.config, max_verify_len)
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
@@ -41,11 +41,9 @@ class ModelRunner:
         load_weights(model, model_dir)
         return cls(model, ModelCache(model_config, num_pages, page_size, num_slots, dtype, device))
 
-    def verification_lengths(self, requests: list[StepRequest], proposals: list[list[int]]) -> list[int]:
-        """The policy: how many of each request's drafts to verify (0 = plain decoding)."""
-        if self.policy == "ar":
-            return [0] * len(requests)
-        return [min(len(p), r.draft_cap) for r, p in zip(requests, proposals)]
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def execute(self, requests: list[StepRequest]) -> StepResult:
         """Runs every request's tokens as one ragged forward. Prefill chunks advance their state directly;
@@ -59,20 +57,32 @@ class ModelRunner:
         self.cache.reset_slots([r.slot for r in fresh])
         if self.drafter is not None and fresh:
             self.drafter.release([r.request_id for r in fresh])  # (re)starting: forget stale draft state
-        decode = [i for i, r in enumerate(requests) if r.sample and len(r.tokens) == 1 and r.context_len > 0]
+        # 1. draft, 2. choose verification lengths (+ the router-correction extra token)
         drafts: dict[int, list[int]] = {}
         draft_probs: dict[int, torch.Tensor | None] = {}
+        confidences: dict[int, list[float]] = {}
+        extra: set[int] = set()
         draft_reqs: list[DraftRequest] = []
-        if self.drafter is not None and self.policy != "ar":
-            spec = [i for i in decode if requests[i].draft_cap > 0]
+        spec = [i for i, r in enumerate(requests)
+                if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0]
+        if self.drafter is not None and self.policy.name != "ar" and spec:
             draft_reqs = [self._draft_request(requests[i]) for i in spec]
-            if draft_reqs:
-                proposal = self.drafter.propose(draft_reqs)
-                lengths = self.verification_lengths([requests[i] for i in spec], proposal.tokens)
-                for i, toks, probs, n in zip(spec, proposal.tokens, proposal.probs, lengths):
-                    if n > 0:  # L = 0 is plain decoding
-                        drafts[i] = toks[:n]
-                        draft_probs[i] = probs[:n] if probs is not None else None
+            proposal = self.drafter.propose(draft_reqs)
+            caps = [0] * len(requests)
+            confs: list[list[float]] = [[] for _ in requests]
+            for i, toks, conf in zip(spec, proposal.tokens, proposal.confidence):
+                caps[i], confs[i] = min(requests[i].draft_cap, len(toks)), conf
+            lengths = self.policy.lengths(self.drafter.name, caps, confs, [len(r.tokens) for r in requests],
+                                          [r.context_len for r in requests])
+            for i, toks, probs, conf in zip(spec, proposal.tokens, proposal.probs, proposal.confidence):
+                n = lengths[i]
+                if self.policy.uses_extra_token and n < caps[i]:
+                    n += 1  # one extra token, kept only if the router correction finds its experts covered
+                    extra.add(i)
+                if n > 0:  # L = 0 is plain decoding
+                    drafts[i] = toks[:n]
+                    draft_probs[i] = probs[:n] if probs is not None else None
+                    confidences[i] = conf[:n]
         blocks = [r.tokens + drafts.get(i, []) for i, r in enumerate(requests)]
         batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
                                    [r.slot for r in requests], self.device)
@@ -85,22 +95,48 @@ class ModelRunner:
             first = starts[i + 1] - 1 - len(drafts.get(i, []))
             spans[i] = (len(rows), len(rows) + starts[i + 1] - first)
             rows.extend(range(first, starts[i + 1]))
+        extra_rows = None
+        if extra:
+            extra_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
+            extra_rows[[starts[i + 1] - 1 for i in extra]] = True
+            extra_rows = extra_rows.to(self.device)
+        moe = MoEContext(extra_rows=extra_rows, collect_counts=self.policy.name == "hybridspec")
         write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
         scratch = StepScratch({}) if drafts else None
         needs_hidden = getattr(self.drafter, "needs_hidden", False)
+        self._sync()
+        t_forward = time.perf_counter()
         out = self.model(batch, self.cache, torch.tensor(rows, dtype=torch.long, device=self.device),
-                         write=True if scratch is None else write, scratch=scratch, return_hidden=needs_hidden)
+                         write=True if scratch is None else write, scratch=scratch, return_hidden=needs_hidden,
+                         moe=moe)
         logits, hidden = out if needs_hidden else (out, None)
+        self._sync()
+        forward_ms = (time.perf_counter() - t_forward) * 1e3
+        # 3. the router correction's verdict on each extra token: a masked one is not verified
+        if extra and moe.token_mask is not None:
+            kept = moe.token_mask.tolist()
+            for i in extra:
+                if not kept[starts[i + 1] - 1]:
+                    drafts[i] = drafts[i][:-1]
+                    confidences[i] = confidences[i][:-1]
+                    if draft_probs.get(i) is not None:
+                        draft_probs[i] = draft_probs[i][:-1]
+                    lo, hi = spans[i]
+                    spans[i] = (lo, hi - 1)
+        # 4. acceptance and commit of exactly the accepted tokens
         keep = [len(b) for b in blocks]
-        accepted_counts = {}
+        accepted_counts, verified = {}, []
         for i, (lo, hi) in spans.items():
             r = requests[i]
-            a, new = accept(logits[lo:hi], drafts.get(i, []), draft_probs.get(i), r.params, self._generator(r))
+            mine = drafts.get(i, [])
+            a, new = accept(logits[lo:hi], mine, draft_probs.get(i) if mine else None, r.params, self._generator(r))
             result.new_tokens[r.request_id] = new
             if i in drafts:
                 keep[i] = len(r.tokens) + a
-                result.draft_tokens[r.request_id] = len(drafts[i])
-                result.accepted_tokens[r.request_id] = a
+                if mine:
+                    result.draft_tokens[r.request_id] = len(mine)
+                    result.accepted_tokens[r.request_id] = a
+                    verified.append((confidences[i], len(mine), a))
             accepted_counts[i] = a
         if scratch is not None:
             self.model.commit(batch, self.cache, scratch, torch.tensor(keep, device=self.device), written=write)
@@ -109,6 +145,11 @@ class ModelRunner:
         if hidden is not None:  # the MTP head pairs every committed token with the target's hidden state
             self.drafter.observe([(r.request_id, blocks[i][:keep[i]], hidden[starts[i]:starts[i] + keep[i]],
                                    r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
+        # 5. what the latency model and the calibration learn from this step
+        self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
+            [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
+            [int(x) for x in torch.stack(moe.distinct_experts).tolist()] if moe.distinct_experts else [],
+            verified), moe.expert_counts)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 

@@ -1,0 +1,108 @@
+"""One entry point per kernel: the Triton kernel for CUDA tensors, the PyTorch reference otherwise.
+
+HYBRIDSPEC_KERNELS (read at each call):
+    unset / "auto"  Triton on CUDA tensors, references elsewhere
+    "ref"           references everywhere (the specification; eager CPU/GPU debugging)
+    "triton"        Triton everywhere (on CPU only under TRITON_INTERPRET=1, for tests)
+Each entry has its reference's signature. The Triton modules are imported on first use, so the CPU path never
+imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from kernels.conv import causal_conv1d_ref, conv_commit_ref
+from kernels.gdn import gdn_commit_ref, gdn_ref
+
+
+def use_triton(x: Tensor) -> bool:
+    mode = os.environ.get("HYBRIDSPEC_KERNELS", "auto")
+    if mode == "ref":
+        return False
+    return mode == "triton" or x.is_cuda
+
+
+# ---------------------------------------------------------------------------------------------- GDN (issue 6)
+
+def gdn(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale=None, use_qk_l2norm=True, write_state=True):
+    """Gated delta rule over a ragged batch (kernels.gdn.gdn_ref): o [N, HV, DV]."""
+    if use_triton(v):
+        from kernels.gdn_triton import gdn_triton
+        return gdn_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm, write_state)
+    return gdn_ref(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm, write_state)
+
+
+def gdn_commit(k, v, g, beta, cu_seqlens, keep_lens, state, slots, max_len, use_qk_l2norm=True):
+    """S_0 -> S_a over each request's first keep_lens[i] tokens (kernels.gdn.gdn_commit_ref)."""
+    if use_triton(v):
+        from kernels.gdn_triton import gdn_commit_triton
+        return gdn_commit_triton(k, v, g, beta, cu_seqlens, keep_lens, state, slots, max_len, use_qk_l2norm)
+    return gdn_commit_ref(k, v, g, beta, cu_seqlens, keep_lens, state, slots, max_len, use_qk_l2norm)
+
+
+# --------------------------------------------------------------------------------------------- conv (issue 6)
+
+def causal_conv1d(x, weight, cu_seqlens, conv_state, slots, max_len, write_state=True):
+    """Causal depthwise conv1d + SiLU continuing each request's window (kernels.conv.causal_conv1d_ref)."""
+    if use_triton(x):
+        from kernels.conv_triton import causal_conv1d_triton
+        return causal_conv1d_triton(x, weight, cu_seqlens, conv_state, slots, max_len, write_state)
+    return causal_conv1d_ref(x, weight, cu_seqlens, conv_state, slots, max_len, write_state)
+
+
+def conv_commit(x, cu_seqlens, keep_lens, conv_state, slots, max_len):
+    """Moves each window over its first keep_lens[i] inputs (kernels.conv.conv_commit_ref)."""
+    if use_triton(x):
+        from kernels.conv_triton import conv_commit_triton
+        return conv_commit_triton(x, cu_seqlens, keep_lens, conv_state, slots, max_len)
+    return conv_commit_ref(x, cu_seqlens, keep_lens, conv_state, slots, max_len)
+
+
+# ------------------------------------------------------------------- MoE / attention (issue 6, items 4 and 5)
+# Triton versions: kernels/moe_triton.py, kernels/attention_triton.py. Same signatures as the references; the
+# Triton attention uses the host lists only as size hints (results come from the device tensors), and neither
+# MoE nor attention synchronizes with the host, so both can be captured in a CUDA graph.
+
+def route(router_logits, top_k, renormalize):
+    """Softmax top-k routing (kernels.moe.route_ref): (weights [N, k] in the logits' dtype, ids [N, k] int64)."""
+    from kernels.moe import route_ref
+    if use_triton(router_logits):
+        from kernels.moe_triton import route_triton
+        return route_triton(router_logits, top_k, renormalize)
+    return route_ref(router_logits, top_k, renormalize)
+
+
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None):
+    """Routed experts of all tokens of a step (kernels.moe.fused_moe_ref): [N, H]; masked rows cost nothing."""
+    from kernels.moe import fused_moe_ref
+    if use_triton(x):
+        from kernels.moe_triton import fused_moe_triton
+        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask)
+    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask)
+
+
+def write_kv(k, v, k_cache, v_cache, page_table, positions, request_of_row):
+    """This step's keys/values into their pages (kernels.attention.write_kv_ref)."""
+    from kernels.attention import write_kv_ref
+    if use_triton(k):
+        from kernels.attention_triton import write_kv_triton
+        return write_kv_triton(k, v, k_cache, v_cache, page_table, positions, request_of_row)
+    return write_kv_ref(k, v, k_cache, v_cache, page_table, positions, request_of_row)
+
+
+def paged_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
+                    context_lens_host):
+    """Causal attention over paged KV, ragged batch, decode/verify/prefill (kernels.attention.paged_attention_ref).
+
+    Triton path: query_lens / context_lens_host are size hints only (tile shape, KV splits); under graph capture
+    pass the bucket's lengths, results stay right for any lengths at replay."""
+    from kernels.attention import paged_attention_ref
+    if use_triton(q):
+        from kernels.attention_triton import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
+                                      context_lens_host)
+    return paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
+                               context_lens_host)
