@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -85,7 +86,7 @@ class RunResult:
             "output_tokens_per_s": self.output_tokens / self.wall_s, "steps": self.steps,
             "step_ms_median": statistics.median(self.step_ms) if self.step_ms else 0.0,
             "tpot_ms_median": statistics.median(self.tpot_ms) if self.tpot_ms else 0.0,
-            "tpot_ms_p99": sorted(self.tpot_ms)[int(0.99 * (len(self.tpot_ms) - 1))] if self.tpot_ms else 0.0,
+            "tpot_ms_p99": sorted(self.tpot_ms)[max(0, math.ceil(0.99 * len(self.tpot_ms)) - 1)] if self.tpot_ms else 0.0,
             "mean_accepted_len": (self.accepted_tokens / self.verify_steps) if self.verify_steps else 0.0,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
         }
@@ -164,6 +165,13 @@ def floor_ms(cfg: ModelConfig, dtype_bytes: int, distinct_experts: float, reques
     return (weights + moe_layers * distinct_experts * expert_bytes + states + kv) / HBM_BYTES_PER_S * 1e3
 
 
+def dump(out_dir: str, meta: dict, rows: list[dict]) -> None:
+    """Written after every row, so a run cut short by its time limit still leaves its results."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
@@ -222,11 +230,10 @@ def main() -> None:
                 row = res.row()
                 row["speedup_vs_ar"] = row["output_tokens_per_s"] / ar_row["output_tokens_per_s"]
                 rows.append(row)
+                dump(args.out, meta, rows)
                 print(f"c={conc} acc={acceptance} {policy}: {row['output_tokens_per_s']:.1f} tok/s "
                       f"({row['speedup_vs_ar']:.2f}x ar), mean accepted {row['mean_accepted_len']:.2f}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    dump(args.out, meta, rows)
     print("\n| policy | conc | replay acc | tok/s | x ar | step ms | tpot p50/p99 ms | mean acc len |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
