@@ -226,8 +226,12 @@ def main() -> None:
                 runner.drafter = replay
                 res = serve(runner, prompts, args.max_new, k, page_size, num_pages, policy)
                 res.policy, res.acceptance = policy, acceptance
-                assert res.tokens == ar.tokens, f"{policy} at acceptance {acceptance} changed the greedy output"
                 row = res.row()
+                # lossless in fp32 (tests); in bf16 a verified block and a one-token decode round differently and
+                # a near-tie can flip a token: record how often the output equals the greedy reference
+                row["greedy_match"] = sum(a == b for a, b in zip(res.tokens, ar.tokens)) / len(ar.tokens)
+                row["first_divergence_mean"] = statistics.mean(
+                    next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(res.tokens, ar.tokens))
                 row["speedup_vs_ar"] = row["output_tokens_per_s"] / ar_row["output_tokens_per_s"]
                 rows.append(row)
                 dump(args.out, meta, rows)

@@ -102,22 +102,34 @@ class ReplayDrafter(Drafter):
         self.acceptance, self.vocab, self.noise = acceptance, vocab_size, noise
         self.rng = random.Random(seed)
         self.references: dict[tuple[int, ...], list[int]] = {}
+        self._matched: dict[str, tuple[int, list[int]] | None] = {}
         self.cost_model = cost_model
 
     def set_reference(self, prompt_ids: list[int], continuation: list[int]) -> None:
         self.references[tuple(prompt_ids)] = list(continuation)
 
-    def _reference_for(self, tokens: list[int]) -> list[int] | None:
-        for prompt, cont in self.references.items():
-            n = len(prompt)
-            if tuple(tokens[:n]) == prompt and tokens[n:] == cont[:len(tokens) - n]:
-                return cont[len(tokens) - n:]
-        return None
+    def _reference_for(self, request_id: str, tokens: list[int]) -> list[int] | None:
+        """The rest of the reference, while the request's output still follows it."""
+        if request_id not in self._matched:  # found once per request, then O(1)
+            self._matched[request_id] = next(((len(p), c) for p, c in self.references.items()
+                                              if tuple(tokens[:len(p)]) == p), None)
+        found = self._matched[request_id]
+        if found is None:
+            return None
+        n, cont = found
+        done = len(tokens) - n
+        if done > len(cont) or tokens[n:] != cont[:done]:
+            return None  # diverged from the reference
+        return cont[done:]
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._matched.pop(rid, None)
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens, conf = [], []
         for r in requests:
-            ahead = self._reference_for(r.token_ids) or []
+            ahead = self._reference_for(r.request_id, r.token_ids) or []
             out, c = [], []
             for j in range(min(r.k, len(ahead))):
                 right = self.rng.random() < self.acceptance

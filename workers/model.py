@@ -185,10 +185,13 @@ class SparseMoe(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, H] -> (weights [N, k], expert ids [N, k])."""
-        logits = F.linear(x, self.gate.weight)  # [N, E]
+        # fp32 router logits: bf16 ones tie often among hundreds of experts, and a tie broken differently by two
+        # kernels sends a token to another expert (the weights are tiny: E x H)
+        logits = F.linear(x.float(), self.gate.weight.float())  # [N, E]
         if self.router_bias is not None:
             logits = logits + self.router_bias
-        return dispatch.route(logits, self.top_k, self.renormalize)
+        weights, ids = dispatch.route(logits, self.top_k, self.renormalize)
+        return weights.to(x.dtype), ids
 
     def forward(self, x: Tensor, ctx: MoEContext | None = None) -> Tensor:
         weights, ids = self.route(x)
@@ -275,11 +278,21 @@ class HybridModel(nn.Module):
         for i, (layer, state) in enumerate(zip(self.model.layers, cache.layers)):
             x = layer(x, batch, state, cos, sin, write, layers_scratch, i, moe)
         rows = batch.last_token_rows() if logit_rows is None else logit_rows
-        if return_hidden:  # final-normed hidden state of every row (the MTP head's input)
-            hidden = self.model.norm(x)
-            return F.linear(hidden[rows], self.lm_head_weight()), hidden
-        h = self.model.norm(x[rows])
-        return F.linear(h, self.lm_head_weight())
+        hidden = self.model.norm(x) if return_hidden else None  # every row's (the MTP head's input)
+        h = hidden[rows] if hidden is not None else self.model.norm(x[rows])
+        logits = self.logits(h)
+        return (logits, hidden) if return_hidden else logits
+
+    def logits(self, h: Tensor, exact_top: int = 4) -> Tensor:
+        """fp32 logits [M, V]. In bf16 the candidates for the argmax are recomputed in fp32: bf16 logits over a
+        vocabulary of 10^5 tie often, and greedy decoding must not depend on how a kernel breaks the tie."""
+        weight = self.lm_head_weight()
+        logits = F.linear(h, weight).float()
+        if h.dtype != torch.float32 and h.shape[0] > 0:
+            top = logits.topk(exact_top, dim=-1).indices  # [M, k]
+            exact = torch.einsum("mh,mkh->mk", h.float(), weight[top].float())
+            logits.scatter_(1, top, exact)
+        return logits
 
     @torch.inference_mode()
     def commit(self, batch: ForwardBatch, cache: ModelCache, scratch: StepScratch, keep_lens: Tensor,
