@@ -18,7 +18,8 @@ import torch
 
 from scheduler.calibration import AcceptanceCalibrator
 from scheduler.latency_model import ExpertEstimator, LatencyModel, StepComposition, TokenCostTable
-from scheduler.planner import budget_plan, fixed_lengths, plan_with_experts, survival_from_acceptance
+from scheduler.planner import budget_plan, fixed_lengths, survival_from_acceptance
+from scheduler.planner_torch import plan_with_experts_device
 from workers.config import ModelConfig
 
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
@@ -47,6 +48,7 @@ class LengthPolicy:
         self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16))
         self.steps = 0
         self._pending_counts: list[torch.Tensor] | None = None
+        self._touch: torch.Tensor | None = None  # [MoE layers, E] touch probabilities for the device planner
 
     @property
     def uses_extra_token(self) -> bool:
@@ -67,8 +69,26 @@ class LengthPolicy:
         survival = survival_from_acceptance(acc)
         if self.name == "budget":
             return budget_plan(survival, caps, self.token_costs, sum(tokens)).lengths
-        base = StepComposition(tokens, contexts, self.num_moe_layers)
-        return plan_with_experts(survival, caps, self.latency.coefs, base, self.estimator).lengths
+        return self._plan_device(survival, caps, tokens, contexts)
+
+    def _plan_device(self, survival: list[list[float]], caps: list[int], tokens: list[int],
+                     contexts: list[int]) -> list[int]:
+        """The joint plan on torch tensors (planner_torch): the host version walks layers x experts in Python,
+        ~100 ms a step at 40 x 256; this one is a few small tensor ops (and one read of the result)."""
+        coefs = self.latency.coefs
+        width = max((len(r) for r in survival), default=0)
+        if width == 0:
+            return [0] * len(caps)
+        surv = torch.zeros(len(survival), width, dtype=torch.float64)
+        for i, row in enumerate(survival):
+            surv[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
+        if self._touch is None:
+            self._touch = torch.tensor(self.estimator.touch_prob_table(), dtype=torch.float64)
+        fixed_ms = (coefs.const_ms + coefs.ms_per_token * sum(tokens) + coefs.ms_per_request * len(tokens)
+                    + coefs.ms_per_context_token * sum(contexts))
+        lengths = plan_with_experts_device(surv, torch.tensor(caps), fixed_ms, coefs.ms_per_token,
+                                           coefs.ms_per_expert, self._touch, torch.tensor(tokens))
+        return [int(x) for x in lengths.tolist()]
 
     def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         self.steps += 1
@@ -87,6 +107,7 @@ class LengthPolicy:
                 total = torch.stack(self._pending_counts).sum(0)
                 self.estimator.observe_counts(total.tolist())
                 self._pending_counts = None
+                self._touch = None  # refreshed from the new routing statistics at the next plan
 
     def stats(self) -> dict[str, float]:
         err = self.latency.error_stats()
