@@ -271,6 +271,8 @@ class AsyncEngine:
             m.request_admitted(prompt_tokens)
         for out in delivery.outputs:
             m.tokens_generated(len(out.new_token_ids))
+            if out.draft_tokens:
+                m.observe_verification(out.accepted_tokens)
             if out.finished:
                 m.request_finished(out.finish_reason or "stop", out.stats or RequestStats())
             stream = self._streams.get(out.request_id)

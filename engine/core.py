@@ -66,6 +66,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    draft_tokens: int = 0  # drafts verified for this request in this step
+    accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -186,6 +188,9 @@ class EngineCore:
             stats.accepted_tokens += result.accepted_tokens.get(rid, 0)
             stats.verify_steps += 1
         outputs = [self._append(self.live[rid], toks) for rid, toks in result.new_tokens.items()]
+        for out in outputs:
+            out.draft_tokens = result.draft_tokens.get(out.request_id, 0)
+            out.accepted_tokens = result.accepted_tokens.get(out.request_id, 0)
         finished = [o.request_id for o in outputs if o.finished]
         if finished:
             self.executor.release(finished)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from scheduler.request import RequestStats
 
+ACCEPTED_LENGTH_BUCKETS = tuple(float(n) for n in range(17))  # accepted drafts in one verification, 0..16
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -47,6 +48,7 @@ class EngineMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     step_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
+    accepted_length: Histogram = field(default_factory=lambda: Histogram(ACCEPTED_LENGTH_BUCKETS))
     occupancy: dict[str, int] = field(default_factory=dict)
 
     # ---- updates -------------------------------------------------------------------------------------
@@ -70,6 +72,10 @@ class EngineMetrics:
 
     def observe_step(self, seconds: float) -> None:
         self.step_seconds.observe(seconds)
+
+    def observe_verification(self, accepted: int) -> None:
+        """One request's verification in one step: how many of its drafts were accepted."""
+        self.accepted_length.observe(float(accepted))
 
     def observe_occupancy(self, stats: dict[str, int]) -> None:
         self.occupancy = stats
@@ -107,16 +113,18 @@ class EngineMetrics:
         metric("total_pages", "gauge", "KV pages in the pool.", [("", occ.get("total_pages", 0))])
         metric("free_slots", "gauge", "Free GDN state slots.", [("", occ.get("free_slots", 0))])
         metric("total_slots", "gauge", "GDN state slots in the pool.", [("", occ.get("total_slots", 0))])
-        h = self.step_seconds
-        lines.append("# HELP hybridspec_step_seconds Wall time of one engine step.")
-        lines.append("# TYPE hybridspec_step_seconds histogram")
-        cumulative = 0
-        for bound, n in zip(h.buckets, h.counts):
-            cumulative += n
-            lines.append(f'hybridspec_step_seconds_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'hybridspec_step_seconds_bucket{{le="+Inf"}} {h.count}')
-        lines.append(f"hybridspec_step_seconds_sum {_num(h.total)}")
-        lines.append(f"hybridspec_step_seconds_count {h.count}")
+        for name, h, help_text in (
+                ("step_seconds", self.step_seconds, "Wall time of one engine step."),
+                ("accepted_length", self.accepted_length, "Drafts accepted per verification (one request, one step).")):
+            lines.append(f"# HELP hybridspec_{name} {help_text}")
+            lines.append(f"# TYPE hybridspec_{name} histogram")
+            cumulative = 0
+            for bound, n in zip(h.buckets, h.counts):
+                cumulative += n
+                lines.append(f'hybridspec_{name}_bucket{{le="{_num(bound)}"}} {cumulative}')
+            lines.append(f'hybridspec_{name}_bucket{{le="+Inf"}} {h.count}')
+            lines.append(f"hybridspec_{name}_sum {_num(h.total)}")
+            lines.append(f"hybridspec_{name}_count {h.count}")
         return "\n".join(lines) + "\n"
 
 

@@ -333,10 +333,6 @@ async def _not_accepting(server) -> bool:
 
 def test_speculative_engine_streams_the_same_tokens_with_draft_usage(llm):
     """Usage carries the drafter's numbers; greedy speculation is lossless through the server too."""
-    from engine.llm import AVAILABLE_SPEC
-
-    if "ngram" not in AVAILABLE_SPEC:
-        pytest.skip("no n-gram drafter in this build")
     prompt = "ab cd ab cd ab cd ab cd ab cd ab cd ab cd"
     params = {"max_new_tokens": 24, "ignore_eos": True}
     expected = llm.generate(prompt, _params(params))[0].token_ids
@@ -352,5 +348,8 @@ def test_speculative_engine_streams_the_same_tokens_with_draft_usage(llm):
             stats = await client.stats()
             assert stats.draft_tokens_total == done.usage.draft_tokens
             assert stats.accepted_tokens_total == done.usage.accepted_tokens
+            hist = server.metrics.accepted_length  # one observation per verification, at its accepted count
+            assert hist.count == done.usage.verify_steps and hist.total == done.usage.accepted_tokens
+            assert "hybridspec_accepted_length_bucket" in server.metrics.render()
 
     run(main())
