@@ -79,3 +79,13 @@ def test_mtp_draft_uses_the_true_token_hidden_pairs(mtp_dir):
                      hidden, ForwardBatch.build([toks], [0], [pages], [1], "cpu"), fresh)
     expected = int(torch.nn.functional.linear(m[-1], target.lm_head_weight()).argmax())
     assert proposal.tokens[0] == [expected]
+
+
+def test_mtp_under_memory_pressure_preempts_and_stays_lossless(mtp_dir):
+    sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    base = [r.token_ids for r in LLM(model=str(mtp_dir)).generate(PROMPTS, sp)]
+    llm = LLM(model=str(mtp_dir), spec="mtp", policy="fixed", max_verify_len=4, num_pages=12, page_size=4)
+    out = llm.generate(PROMPTS, sp)
+    assert [r.token_ids for r in out] == base
+    assert sum(r.stats.preemptions for r in out) > 0
+    assert llm.engine.memory.stats()["used_slots"] == 0

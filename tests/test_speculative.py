@@ -220,3 +220,18 @@ def test_router_correction_keeps_extra_tokens_only_when_their_experts_are_covere
     extra = torch.tensor([False, False, True, True, True])
     mask = router_correction_ref(ids, extra, num_experts=8)
     assert mask.tolist() == [True, True, True, False, True]
+
+
+@pytest.mark.parametrize("spec, policy", [("draft", "fixed"), ("replay", "hybridspec"), ("ngram", "budget")])
+def test_speculation_under_memory_pressure_preempts_and_stays_lossless(reference, spec, policy):
+    """A pool too small for every request's drafts: caps shrink, the youngest requests are preempted and
+    recomputed (their drafter state forgotten), and the tokens still equal plain greedy decoding."""
+    kwargs = {"draft_model": str(default_model_dir())} if spec == "draft" else {}
+    llm = LLM(spec=spec, policy=policy, max_verify_len=6, num_pages=20, page_size=4, max_running=9, **kwargs)
+    if spec == "replay":
+        for prompt, ref in zip(PROMPTS, reference):
+            llm.set_replay_reference(prompt, ref)
+    results = llm.generate(PROMPTS, [params(n) for n in MAX_NEW])
+    assert [r.token_ids for r in results] == reference
+    assert sum(r.stats.preemptions for r in results) > 0
+    assert llm.engine.memory.stats()["used_pages"] == 0 and llm.engine.memory.stats()["used_slots"] == 0
