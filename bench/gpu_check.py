@@ -39,7 +39,7 @@ def main() -> None:
     model = build_bench_model(num_layers=args.layers, routing="zipf", dtype=torch.bfloat16, device="cuda")
     cfg = model.config
     num_pages, page_size = args.requests * 64, 16
-    cache = ModelCache(cfg, num_pages, page_size, args.requests, torch.bfloat16, "cuda")
+    cache = ModelCache(cfg, num_pages + 1, page_size, args.requests + 1, torch.bfloat16, "cuda")  # + spares
     runner = ModelRunner(model, cache)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
@@ -71,6 +71,20 @@ def main() -> None:
     step = statistics.median(times)
     floor = floor_ms(cfg, 2, cfg.num_experts_per_tok, 1, 40)
     report.update(ar_step_ms_b1=step, floor_ms_b1=floor, step_over_floor=step / floor)
+    # 4. the same with decode steps replayed from CUDA graphs
+    t0 = time.time()
+    why = runner.enable_graphs(args.requests, 64)
+    report["graph_capture_s"] = time.time() - t0
+    report["graphs"] = why or "captured"
+    if why is None:
+        graphed = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar").tokens
+        report["graphs_vs_eager_first_divergence"] = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(fast, graphed)]
+        res = serve(runner, prompts[:1], 24, 0, page_size, num_pages, "ar")
+        report["graph_ar_step_ms_b1"] = statistics.median(res.step_ms[2:])
+        report["graph_step_over_floor"] = report["graph_ar_step_ms_b1"] / floor
+        res = serve(runner, prompts, 24, 0, page_size, num_pages, "ar")
+        report[f"graph_ar_step_ms_b{len(prompts)}"] = statistics.median(res.step_ms[2:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))

@@ -42,6 +42,7 @@ class EngineConfig:
     max_verify_len: int = 16  # most drafted tokens one request verifies in a step
     draft_model: str | None = None
     replay_acceptance: float = 0.85
+    cuda_graphs: bool = True  # capture plain decode steps in CUDA graphs (CUDA only)
 
     def validate(self) -> "EngineConfig":
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -99,7 +100,8 @@ class EngineCore:
         self.executor = create_executor(config.executor, WorkerSpec(
             str(model_dir), config.dtype, config.device, num_pages, config.page_size, config.max_running,
             spec=config.spec, policy=config.policy, max_verify_len=config.max_verify_len, draft_model=config.draft_model,
-            replay_acceptance=config.replay_acceptance))
+            replay_acceptance=config.replay_acceptance,
+            graph_pages_per_request=-(-self.max_model_len // config.page_size) if config.cuda_graphs else 0))
         self.live: dict[str, _Live] = {}
 
     def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +32,7 @@ class WorkerSpec:
     draft_model: str | None = None  # directory of the draft model (spec "draft"; the replay drafter's cost)
     replay_acceptance: float = 0.85  # spec "replay": probability that each proposed token is right
     seed: int = 0
+    graph_pages_per_request: int = 0  # > 0 on CUDA: capture decode graphs for page tables this wide
 
 
 def build_runner(spec: WorkerSpec) -> ModelRunner:
@@ -38,6 +40,10 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
     runner = ModelRunner.create(ModelConfig.from_dir(spec.model_dir), Path(spec.model_dir), dtype, spec.device,
                                 spec.num_pages, spec.page_size, spec.num_slots)
     runner.set_policy(spec.policy, spec.max_verify_len)
+    if spec.graph_pages_per_request > 0 and runner.device.type == "cuda":
+        why = runner.enable_graphs(spec.num_slots, spec.graph_pages_per_request)
+        if why is not None:
+            log.warning("decode steps stay eager: %s", why)
     if spec.spec == "mtp":
         from workers.mtp import MTPDrafter
 
@@ -71,6 +77,9 @@ def build_drafter(spec: WorkerSpec, vocab_size: int, dtype: torch.dtype) -> Draf
         return ReplayDrafter(spec.replay_acceptance, vocab_size, seed=spec.seed,
                              cost_model=draft_model() if spec.draft_model else None)
     raise ValueError(f"spec {spec.spec!r} is not available in this build (off, ngram, draft, replay)")
+
+
+log = logging.getLogger("hybridspec.executor")
 
 
 class WorkerLost(RuntimeError):

@@ -31,7 +31,7 @@ class StepObservation:
     tokens_per_request: list[int]
     context_lens: list[int]
     forward_ms: float
-    distinct_experts: list[int]  # per MoE layer
+    distinct_experts: list[int] | None  # per MoE layer (None: not observed; the estimator stands in)
     verified: list[tuple[list[float], int, int]] = field(default_factory=list)  # (confidences, verified, accepted)
 
 
@@ -93,7 +93,7 @@ class LengthPolicy:
     def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         self.steps += 1
         comp = StepComposition(obs.tokens_per_request, obs.context_lens, self.num_moe_layers,
-                               obs.distinct_experts if self.num_moe_layers else None)
+                               obs.distinct_experts if self.num_moe_layers and obs.distinct_experts else None)
         self.latency.observe(comp, obs.forward_ms)
         if not self.latency.fitted and len(self.latency.samples) >= self.latency.min_samples:
             self.latency.fit()

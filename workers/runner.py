@@ -15,6 +15,7 @@ from scheduler.types import StepRequest, StepResult
 from workers.acceptance import accept
 from workers.batch import ForwardBatch
 from workers.cache import ModelCache, StepScratch
+from workers.graphs import DecodeGraphs
 from workers.config import ModelConfig
 from workers.drafters import Drafter, DraftRequest
 from workers.model import HybridModel, MoEContext
@@ -27,6 +28,7 @@ class ModelRunner:
         self.model, self.cache, self.drafter = model, cache, drafter
         self.device = model.device
         self.generators: dict[str, torch.Generator | None] = {}
+        self.graphs: DecodeGraphs | None = None
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
@@ -39,7 +41,21 @@ class ModelRunner:
 
         model = HybridModel(model_config, dtype, device)
         load_weights(model, model_dir)
-        return cls(model, ModelCache(model_config, num_pages, page_size, num_slots, dtype, device))
+        # one spare page and slot past the allocator's range: padding rows of captured graphs write there
+        return cls(model, ModelCache(model_config, num_pages + 1, page_size, num_slots + 1, dtype, device))
+
+    def enable_graphs(self, max_batch: int, max_pages_per_request: int) -> str | None:
+        """Captures CUDA graphs for plain decode steps (CUDA only). Returns None, or why it fell back to eager.
+        The cache must have a spare page and slot past the allocator's range (create() makes them)."""
+        if self.device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        graphs = DecodeGraphs(self.model, self.cache, max_batch, self.cache.num_pages - 1, self.cache.num_slots - 1)
+        try:
+            graphs.capture(max_pages_per_request)
+        except Exception as e:  # noqa: BLE001 - eager still works; say why
+            return f"capture failed: {type(e).__name__}: {e}"
+        self.graphs = graphs
+        return None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -84,6 +100,10 @@ class ModelRunner:
                     draft_probs[i] = probs[:n] if probs is not None else None
                     confidences[i] = conf[:n]
         blocks = [r.tokens + drafts.get(i, []) for i, r in enumerate(requests)]
+        if (not drafts and self.graphs is not None and not getattr(self.drafter, "needs_hidden", False)
+                and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
+                and self.graphs.fits(len(requests), max(len(r.pages) for r in requests))):
+            return self._graph_decode(requests, start)
         batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
                                    [r.slot for r in requests], self.device)
         # logits: every position of a verified block, the last position of other sampling requests
@@ -150,6 +170,23 @@ class ModelRunner:
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()] if moe.distinct_experts else [],
             verified), moe.expert_counts)
+        result.step_ms = (time.perf_counter() - start) * 1e3
+        return result
+
+    def _graph_decode(self, requests: list[StepRequest], start: float) -> StepResult:
+        """A plain decode step replayed from a captured graph."""
+        result = StepResult()
+        self._sync()
+        t_forward = time.perf_counter()
+        logits = self.graphs.run([r.tokens[0] for r in requests], [r.context_len for r in requests],
+                                 [r.pages for r in requests], [r.slot for r in requests])
+        self._sync()
+        forward_ms = (time.perf_counter() - t_forward) * 1e3
+        for i, r in enumerate(requests):
+            _, new = accept(logits[i:i + 1], [], None, r.params, self._generator(r))
+            result.new_tokens[r.request_id] = new
+        self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
+            [1] * len(requests), [r.context_len for r in requests], forward_ms, None, []), None)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
