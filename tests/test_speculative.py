@@ -235,3 +235,47 @@ def test_speculation_under_memory_pressure_preempts_and_stays_lossless(reference
     assert [r.token_ids for r in results] == reference
     assert sum(r.stats.preemptions for r in results) > 0
     assert llm.engine.memory.stats()["used_pages"] == 0 and llm.engine.memory.stats()["used_slots"] == 0
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible(perturbed_dir):
+    """Draft tokens come from the request's own seeded stream, not the global RNG."""
+    p = SamplingParams(temperature=1.0, max_new_tokens=20, seed=123, ignore_eos=True)
+    llm = LLM(spec="draft", policy="fixed", max_verify_len=3, draft_model=str(perturbed_dir))
+    torch.manual_seed(1)
+    first = llm.generate(["hello world"], p)[0].token_ids
+    torch.manual_seed(2)
+    second = llm.generate(["hello world", "other"], [p, SamplingParams(temperature=1.0, max_new_tokens=9)])[0]
+    assert second.token_ids == first
+
+
+def test_graph_decode_path_still_rolls_back_the_draft_model(reference):
+    """When a step drafts but verifies nothing (L = 0 everywhere) it may take the captured-graph decode path;
+    the draft model must still roll back its proposals there (else its state drifts and acceptance collapses).
+    The graph is emulated on CPU by an eager forward with the same contract."""
+    from workers.batch import ForwardBatch
+
+    llm = LLM(spec="draft", policy="fixed", max_verify_len=4, draft_model=str(default_model_dir()))
+    runner = llm.engine.executor.runner
+
+    class EagerAsGraph:
+        def fits(self, batch_size: int, max_pages: int) -> bool:
+            return True
+
+        def run(self, tokens, context_lens, page_rows, slots):
+            batch = ForwardBatch.build([[t] for t in tokens], context_lens, page_rows, slots, "cpu")
+            return runner.model(batch, runner.cache)
+
+    runner.graphs = EagerAsGraph()
+    calls = {"n": 0}
+    plan = runner.policy.lengths
+
+    def every_other_step_plain(*args, **kwargs):
+        calls["n"] += 1
+        lengths = plan(*args, **kwargs)
+        return [0] * len(lengths) if calls["n"] % 2 else lengths
+
+    runner.policy.lengths = every_other_step_plain
+    tokens, stats = run(llm)
+    assert tokens == reference
+    assert calls["n"] > 2
+    assert all(s.accepted_tokens == s.draft_tokens for s in stats)  # draft = target: nothing ever rejected

@@ -33,6 +33,7 @@ class DraftRequest:
     slot: int
     k: int  # tokens to propose (the cap on this request's verification length)
     params: SamplingParams
+    generator: torch.Generator | None = None  # the request's own draft-sampling stream
 
 
 @dataclass
@@ -171,7 +172,7 @@ class DraftModelDrafter(Drafter):
                 tok, dist = int(p.argmax()), None
             else:
                 p = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
-                tok, dist = int(torch.multinomial(p, 1)), p
+                tok, dist = int(torch.multinomial(p, 1, generator=r.generator)), p
             toks.append(tok)
             probs.append(dist)
             conf.append(float(p[tok]))

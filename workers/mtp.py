@@ -141,7 +141,7 @@ class MTPDrafter(Drafter):
                     tok = int(p.argmax())
                 else:
                     p = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
-                    tok = int(torch.multinomial(p, 1))
+                    tok = int(torch.multinomial(p, 1, generator=r.generator))
                     probs[r.request_id].append(p)
                 tokens[r.request_id].append(tok)
                 conf[r.request_id].append(float(p[tok]))

@@ -22,12 +22,16 @@ from workers.model import HybridModel, MoEContext
 from workers.policy import LengthPolicy, StepObservation
 from workers.sampling import make_generator
 
+DRAFT_SEED_SALT = 0x5DEECE66D  # a request's draft stream is seeded from its seed, apart from its sampling stream
+
+
 class ModelRunner:
     def __init__(self, model: HybridModel, cache: ModelCache, drafter: Drafter | None = None,
                  policy: str = "fixed", max_verify_len: int = 16):
         self.model, self.cache, self.drafter = model, cache, drafter
         self.device = model.device
         self.generators: dict[str, torch.Generator | None] = {}
+        self.draft_generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
         self.set_policy(policy, max_verify_len)
 
@@ -103,6 +107,8 @@ class ModelRunner:
         if (not drafts and self.graphs is not None and not getattr(self.drafter, "needs_hidden", False)
                 and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
                 and self.graphs.fits(len(requests), max(len(r.pages) for r in requests))):
+            if draft_reqs:  # drafted but chose L = 0 everywhere: the drafter still rolls back its proposals
+                self.drafter.commit(draft_reqs, [0] * len(draft_reqs))
             return self._graph_decode(requests, start)
         batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
                                    [r.slot for r in requests], self.device)
@@ -191,12 +197,17 @@ class ModelRunner:
         return result
 
     def _draft_request(self, r: StepRequest) -> DraftRequest:
-        return DraftRequest(r.request_id, r.all_tokens, r.context_len, r.pages, r.slot, r.draft_cap, r.params)
+        if r.request_id not in self.draft_generators:  # its own stream: a seed reproduces drafts too
+            seed = None if r.params.seed is None else (r.params.seed ^ DRAFT_SEED_SALT) % (2**63)
+            self.draft_generators[r.request_id] = make_generator(seed, self.device)
+        return DraftRequest(r.request_id, r.all_tokens, r.context_len, r.pages, r.slot, r.draft_cap, r.params,
+                            self.draft_generators[r.request_id])
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests' sampling and drafting state."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+            self.draft_generators.pop(rid, None)
         if self.drafter is not None:
             self.drafter.release(request_ids)
 
