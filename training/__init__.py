@@ -1,0 +1,1 @@
+"""Training the embedded model pair on real text (issue 9)."""
