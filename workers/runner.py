@@ -126,7 +126,8 @@ class ModelRunner:
             extra_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
             extra_rows[[starts[i + 1] - 1 for i in extra]] = True
             extra_rows = extra_rows.to(self.device)
-        moe = MoEContext(extra_rows=extra_rows, collect_counts=self.policy.name == "hybridspec")
+        learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
+        moe = MoEContext(extra_rows=extra_rows, collect_counts=learns_experts) if learns_experts or extra else None
         write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
         scratch = StepScratch({}) if drafts else None
         needs_hidden = getattr(self.drafter, "needs_hidden", False)
@@ -139,7 +140,7 @@ class ModelRunner:
         self._sync()
         forward_ms = (time.perf_counter() - t_forward) * 1e3
         # 3. the router correction's verdict on each extra token: a masked one is not verified
-        if extra and moe.token_mask is not None:
+        if extra and moe is not None and moe.token_mask is not None:
             kept = moe.token_mask.tolist()
             for i in extra:
                 if not kept[starts[i + 1] - 1]:
@@ -174,8 +175,8 @@ class ModelRunner:
         # 5. what the latency model and the calibration learn from this step
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
-            [int(x) for x in torch.stack(moe.distinct_experts).tolist()] if moe.distinct_experts else [],
-            verified), moe.expert_counts)
+            [int(x) for x in torch.stack(moe.distinct_experts).tolist()] if moe and moe.distinct_experts else None,
+            verified), moe.expert_counts if moe is not None else None)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
