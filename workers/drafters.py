@@ -43,6 +43,22 @@ class Proposal:
     probs: list[Tensor | None] = field(default_factory=list)  # [B] of [k_i, V] draft distributions or None
 
 
+def sample_drafts(logits: Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[Tensor | None], list[float]]:
+    """One draft token per request from a model drafter's logits [B, V]: greedy rows take the argmax (all read
+    back at once), sampled rows draw from the request's processed distribution with its own draft stream.
+    Returns tokens, the draft distribution q of sampled rows (None for greedy: a point mass), confidences."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
+    best = probs.max(dim=-1)  # greedy token and its probability, per row
+    toks, conf = best.indices.tolist(), best.values.tolist()
+    dists: list[Tensor | None] = [None] * len(requests)
+    for i, r in enumerate(requests):
+        if r.params.temperature > 0:
+            q = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
+            toks[i] = int(torch.multinomial(q, 1, generator=r.generator))
+            conf[i], dists[i] = float(q[toks[i]]), q
+    return toks, dists, conf
+
+
 class Drafter:
     name = "base"
 
@@ -163,21 +179,6 @@ class DraftModelDrafter(Drafter):
                                    self.model.device)
         return self.model(batch, self.cache)  # [B, V] at each block's last token; state advances
 
-    @staticmethod
-    def _sample(logits: Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[Tensor | None], list[float]]:
-        toks, probs, conf = [], [], []
-        for i, r in enumerate(requests):
-            if r.params.temperature == 0:
-                p = torch.softmax(logits[i].float(), dim=-1)
-                tok, dist = int(p.argmax()), None
-            else:
-                p = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
-                tok, dist = int(torch.multinomial(p, 1, generator=r.generator)), p
-            toks.append(tok)
-            probs.append(dist)
-            conf.append(float(p[tok]))
-        return toks, probs, conf
-
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens = {r.request_id: [] for r in requests}
         conf = {r.request_id: [] for r in requests}
@@ -196,7 +197,7 @@ class DraftModelDrafter(Drafter):
             self._copy_slots([r.slot for r in active], to_backup=True)
             live = list(active)
             for j in range(max(r.k for r in active)):
-                toks, dists, cs = self._sample(logits, live)
+                toks, dists, cs = sample_drafts(logits, live)
                 for r, t, d, c in zip(live, toks, dists, cs):
                     tokens[r.request_id].append(t)
                     conf[r.request_id].append(c)

@@ -23,9 +23,8 @@ from torch import Tensor, nn
 from workers.batch import ForwardBatch
 from workers.cache import ModelCache
 from workers.config import FULL_ATTENTION, ModelConfig
-from workers.drafters import Drafter, DraftRequest, Proposal
+from workers.drafters import Drafter, DraftRequest, Proposal, sample_drafts
 from workers.model import DecoderLayer, HybridModel, Linear, RMSNorm, RotaryEmbedding
-from workers.sampling import processed_probs
 from workers.weights import Checkpoint, load_weights
 
 
@@ -134,17 +133,13 @@ class MTPDrafter(Drafter):
         while live:
             m = self._run([[inputs[r.request_id][0]] for r in live], [inputs[r.request_id][1][None] for r in live],
                           [r.num_cached - 1 + step for r in live], [(r.pages, r.slot) for r in live])
-            logits = F.linear(m, self.target.lm_head_weight()).float()  # [B, V]
-            for i, r in enumerate(live):
-                if r.params.temperature == 0:
-                    p = torch.softmax(logits[i], dim=-1)
-                    tok = int(p.argmax())
-                else:
-                    p = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
-                    tok = int(torch.multinomial(p, 1, generator=r.generator))
-                    probs[r.request_id].append(p)
+            logits = F.linear(m, self.target.lm_head_weight())  # [B, V]
+            toks, dists, cs = sample_drafts(logits, live)
+            for i, (r, tok, dist, c) in enumerate(zip(live, toks, dists, cs)):
                 tokens[r.request_id].append(tok)
-                conf[r.request_id].append(float(p[tok]))
+                conf[r.request_id].append(c)
+                if dist is not None:
+                    probs[r.request_id].append(dist)
                 inputs[r.request_id] = (tok, m[i])
             step += 1
             live = [r for r in live if len(tokens[r.request_id]) < r.k]
