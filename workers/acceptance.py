@@ -17,13 +17,13 @@ from scheduler.types import SamplingParams
 from workers.sampling import processed_probs
 
 
-def accept_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, list[int]]:
-    """target_logits [L+1, V] at the block's positions; drafts [L]. Returns (accepted count a, a+1 new tokens)."""
-    choice = target_logits.argmax(dim=-1).tolist()  # [L+1]
+def accept_greedy(choices: list[int], drafts: list[int]) -> tuple[int, list[int]]:
+    """choices: the target's argmax at the block's L+1 positions (read back for the whole step at once);
+    drafts [L]. Returns (accepted count a, the a+1 new tokens)."""
     a = 0
-    while a < len(drafts) and drafts[a] == choice[a]:
+    while a < len(drafts) and drafts[a] == choices[a]:
         a += 1
-    return a, drafts[:a] + [choice[a]]
+    return a, drafts[:a] + [choices[a]]
 
 
 def accept_sampling(target_logits: Tensor, drafts: list[int], draft_probs: Tensor | None, params: SamplingParams,
@@ -51,8 +51,9 @@ def accept_sampling(target_logits: Tensor, drafts: list[int], draft_probs: Tenso
     return len(drafts), drafts + [bonus]
 
 
-def accept(target_logits: Tensor, drafts: list[int], draft_probs: Tensor | None, params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[int, list[int]]:
+def accept(target_logits: Tensor, choices: list[int] | None, drafts: list[int], draft_probs: Tensor | None,
+           params: SamplingParams, generator: torch.Generator | None) -> tuple[int, list[int]]:
+    """target_logits [L+1, V]; choices: their argmax as host ints (needed for greedy requests only)."""
     if params.temperature == 0:
-        return accept_greedy(target_logits, drafts)
+        return accept_greedy(choices if choices is not None else target_logits.argmax(dim=-1).tolist(), drafts)
     return accept_sampling(target_logits, drafts, draft_probs, params, generator)

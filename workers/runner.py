@@ -22,6 +22,31 @@ from workers.model import HybridModel, MoEContext
 from workers.policy import LengthPolicy, StepObservation
 from workers.sampling import make_generator
 
+class _ForwardTimer:
+    """Times the target forward for the latency model without a host sync of its own: CUDA events, read after
+    acceptance has synchronized anyway (host clock on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end)
+        return (self.t1 - self.t0) * 1e3
+
+
 DRAFT_SEED_SALT = 0x5DEECE66D  # a request's draft stream is seeded from its seed, apart from its sampling stream
 
 
@@ -60,10 +85,6 @@ class ModelRunner:
             return f"capture failed: {type(e).__name__}: {e}"
         self.graphs = graphs
         return None
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def execute(self, requests: list[StepRequest]) -> StepResult:
         """Runs every request's tokens as one ragged forward. Prefill chunks advance their state directly;
@@ -104,41 +125,41 @@ class ModelRunner:
                     draft_probs[i] = probs[:n] if probs is not None else None
                     confidences[i] = conf[:n]
         blocks = [r.tokens + drafts.get(i, []) for i, r in enumerate(requests)]
+        starts = [0]  # host copy of cu_seqlens
+        for b in blocks:
+            starts.append(starts[-1] + len(b))
+        # logits: every position of a verified block, the last position of other sampling requests
+        rows, spans = [], {}
+        for i, r in enumerate(requests):
+            if r.sample:
+                first = starts[i + 1] - 1 - len(drafts.get(i, []))
+                spans[i] = (len(rows), len(rows) + starts[i + 1] - first)
+                rows.extend(range(first, starts[i + 1]))
+        moe, scratch, hidden, batch = None, None, None, None
+        timer = _ForwardTimer(self.device)
         if (not drafts and self.graphs is not None and not getattr(self.drafter, "needs_hidden", False)
                 and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
                 and self.graphs.fits(len(requests), max(len(r.pages) for r in requests))):
-            if draft_reqs:  # drafted but chose L = 0 everywhere: the drafter still rolls back its proposals
-                self.drafter.commit(draft_reqs, [0] * len(draft_reqs))
-            return self._graph_decode(requests, start)
-        batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
-                                   [r.slot for r in requests], self.device)
-        # logits: every position of a verified block, the last position of other sampling requests
-        rows, spans = [], {}
-        starts = batch.cu_seqlens.tolist()
-        for i, r in enumerate(requests):
-            if not r.sample:
-                continue
-            first = starts[i + 1] - 1 - len(drafts.get(i, []))
-            spans[i] = (len(rows), len(rows) + starts[i + 1] - first)
-            rows.extend(range(first, starts[i + 1]))
-        extra_rows = None
-        if extra:
-            extra_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
-            extra_rows[[starts[i + 1] - 1 for i in extra]] = True
-            extra_rows = extra_rows.to(self.device)
-        learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
-        moe = MoEContext(extra_rows=extra_rows, collect_counts=learns_experts) if learns_experts or extra else None
-        write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
-        scratch = StepScratch({}) if drafts else None
-        needs_hidden = getattr(self.drafter, "needs_hidden", False)
-        self._sync()
-        t_forward = time.perf_counter()
-        out = self.model(batch, self.cache, torch.tensor(rows, dtype=torch.long, device=self.device),
-                         write=True if scratch is None else write, scratch=scratch, return_hidden=needs_hidden,
-                         moe=moe)
-        logits, hidden = out if needs_hidden else (out, None)
-        self._sync()
-        forward_ms = (time.perf_counter() - t_forward) * 1e3
+            logits = self.graphs.run([r.tokens[0] for r in requests], [r.context_len for r in requests],
+                                     [r.pages for r in requests], [r.slot for r in requests])  # rows == requests
+        else:
+            batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
+                                       [r.slot for r in requests], self.device)
+            extra_rows = None
+            if extra:
+                extra_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
+                extra_rows[[starts[i + 1] - 1 for i in extra]] = True
+                extra_rows = extra_rows.to(self.device)
+            learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
+            if learns_experts or extra:
+                moe = MoEContext(extra_rows=extra_rows, collect_counts=learns_experts)
+            write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
+            scratch = StepScratch({}) if drafts else None
+            out = self.model(batch, self.cache, torch.tensor(rows, dtype=torch.long, device=self.device),
+                             write=True if scratch is None else write, scratch=scratch,
+                             return_hidden=getattr(self.drafter, "needs_hidden", False), moe=moe)
+            logits, hidden = out if isinstance(out, tuple) else (out, None)
+        timer.stop()
         # 3. the router correction's verdict on each extra token: a masked one is not verified
         if extra and moe is not None and moe.token_mask is not None:
             kept = moe.token_mask.tolist()
@@ -150,13 +171,15 @@ class ModelRunner:
                         draft_probs[i] = draft_probs[i][:-1]
                     lo, hi = spans[i]
                     spans[i] = (lo, hi - 1)
-        # 4. acceptance and commit of exactly the accepted tokens
+        # 4. acceptance (the greedy rows' argmax read back once) and commit of exactly the accepted tokens
+        choices = logits.argmax(dim=-1).tolist() if any(requests[i].params.temperature == 0 for i in spans) else None
         keep = [len(b) for b in blocks]
         accepted_counts, verified = {}, []
         for i, (lo, hi) in spans.items():
             r = requests[i]
             mine = drafts.get(i, [])
-            a, new = accept(logits[lo:hi], mine, draft_probs.get(i) if mine else None, r.params, self._generator(r))
+            a, new = accept(logits[lo:hi], choices[lo:hi] if choices is not None else None, mine,
+                            draft_probs.get(i) if mine else None, r.params, self._generator(r))
             result.new_tokens[r.request_id] = new
             if i in drafts:
                 keep[i] = len(r.tokens) + a
@@ -167,33 +190,16 @@ class ModelRunner:
             accepted_counts[i] = a
         if scratch is not None:
             self.model.commit(batch, self.cache, scratch, torch.tensor(keep, device=self.device), written=write)
-        if draft_reqs:
+        if draft_reqs:  # every drafter rolls back to what was accepted (0 where nothing was verified)
             self.drafter.commit(draft_reqs, [accepted_counts.get(i, 0) if i in drafts else 0 for i in spec])
         if hidden is not None:  # the MTP head pairs every committed token with the target's hidden state
             self.drafter.observe([(r.request_id, blocks[i][:keep[i]], hidden[starts[i]:starts[i] + keep[i]],
                                    r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
         # 5. what the latency model and the calibration learn from this step
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
-            [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
+            [len(b) for b in blocks], [r.context_len for r in requests], timer.elapsed_ms(),
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()] if moe and moe.distinct_experts else None,
             verified), moe.expert_counts if moe is not None else None)
-        result.step_ms = (time.perf_counter() - start) * 1e3
-        return result
-
-    def _graph_decode(self, requests: list[StepRequest], start: float) -> StepResult:
-        """A plain decode step replayed from a captured graph."""
-        result = StepResult()
-        self._sync()
-        t_forward = time.perf_counter()
-        logits = self.graphs.run([r.tokens[0] for r in requests], [r.context_len for r in requests],
-                                 [r.pages for r in requests], [r.slot for r in requests])
-        self._sync()
-        forward_ms = (time.perf_counter() - t_forward) * 1e3
-        for i, r in enumerate(requests):
-            _, new = accept(logits[i:i + 1], [], None, r.params, self._generator(r))
-            result.new_tokens[r.request_id] = new
-        self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
-            [1] * len(requests), [r.context_len for r in requests], forward_ms, None, []), None)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
