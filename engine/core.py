@@ -7,7 +7,7 @@ max_new_tokens, abort) free their memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,7 +79,6 @@ class _Live:
     detok: IncrementalDetokenizer
     text: str = ""  # text decoded so far (stop strings are searched here)
     emitted_chars: int = 0
-    pending_ids: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -209,10 +208,13 @@ class EngineCore:
             if tok in self.eos_ids and not params.ignore_eos:
                 reason = "stop"
                 break
+            before = len(live.text)
             live.text += live.detok.push([tok])
-            if params.stop and (cut := find_stop(live.text, params.stop)) is not None:
-                live.text, reason, stop_hit = live.text[:cut], "stop", True
-                break
+            if params.stop:  # only a stop string that ends in the new text can be new: search the tail
+                tail = max(0, before - max(map(len, params.stop)) + 1)
+                if (cut := find_stop(live.text[tail:], params.stop)) is not None:
+                    live.text, reason, stop_hit = live.text[:tail + cut], "stop", True
+                    break
             if len(request.output_ids) >= params.max_new_tokens:
                 reason = "length"
                 break
