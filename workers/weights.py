@@ -50,11 +50,7 @@ class Checkpoint:
             found = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
             hint = f" (found {found}: pickle checkpoints are not loaded; convert them to safetensors)" if found else ""
             raise FileNotFoundError(f"model directory {root}: no model.safetensors or model.safetensors.index.json{hint}")
-        self._files: dict[str, Path] = {}
-        for name, path in files.items():
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model."):]
-            self._files[name] = path
+        self._files = {self._canonical(n): path for n, path in files.items()}
         self._raw_names = {self._canonical(n): n for n in files}
         self._handles: dict[Path, object] = {}
 
