@@ -77,14 +77,18 @@ def test_stop_string_ends_the_request_and_is_cut_from_the_text(llm):
 
 
 def test_eos_stops_unless_ignored(llm):
-    eos = llm.engine.eos_ids
-    greedy = llm.generate(["x"], SamplingParams(max_new_tokens=64, ignore_eos=True))[0]
-    hit = [i for i, t in enumerate(greedy.token_ids) if t in eos]
-    out = llm.generate(["x"], SamplingParams(max_new_tokens=64))[0]
-    if hit:
-        assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[: hit[0] + 1]
-    else:
-        assert out.token_ids == greedy.token_ids
+    greedy = llm.generate(["x"], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
+    eos = greedy.token_ids[5]  # make a token the model surely emits the end-of-sequence token
+    first = greedy.token_ids.index(eos)
+    saved = llm.engine.eos_ids
+    llm.engine.eos_ids = {eos}
+    try:
+        out = llm.generate(["x"], SamplingParams(max_new_tokens=32))[0]
+        ignored = llm.generate(["x"], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
+    finally:
+        llm.engine.eos_ids = saved
+    assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[: first + 1]
+    assert ignored.finish_reason == "length" and ignored.token_ids == greedy.token_ids
 
 
 @pytest.mark.parametrize(
@@ -94,7 +98,7 @@ def test_eos_stops_unless_ignored(llm):
 )
 def test_bad_prompts_are_rejected_naming_the_field(llm, prompt, field):
     with pytest.raises(InvalidRequest) as err:
-        llm.generate([prompt] if not isinstance(prompt, list) or prompt else [prompt], SamplingParams())
+        llm.generate([prompt], SamplingParams())
     assert err.value.field == field and field in str(err.value)
     assert llm.engine.memory.stats()["used_slots"] == 0
 
