@@ -150,16 +150,14 @@ def floor_ms(cfg: ModelConfig, dtype_bytes: int, distinct_experts: float, reques
     h, e_inner = cfg.hidden_size, cfg.moe_intermediate_size
     moe_layers = sum(cfg.moe_layers)
     expert_bytes = 3 * h * e_inner * dtype_bytes
-    dense = 0
-    for name, numel in (("embed/head", 2 * cfg.vocab_size * h),):
-        dense += numel
+    head = cfg.vocab_size * h  # the LM head is read once; the embedding is only a gather
     per_layer_dense = 3 * h * cfg.shared_expert_intermediate_size + h * cfg.num_experts + 4 * h
     gdn = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     gdn_proj = h * (cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads) + cfg.linear_value_dim * h
     attn_proj = h * (cfg.num_attention_heads * cfg.head_dim * 2 + 2 * cfg.num_key_value_heads * cfg.head_dim) \
         + cfg.num_attention_heads * cfg.head_dim * h
-    weights = (dense // 2 + cfg.num_hidden_layers * per_layer_dense + len(cfg.gdn_layers) * gdn_proj
-               + len(cfg.attention_layers) * attn_proj) * dtype_bytes  # head only once (embedding is a gather)
+    weights = (head + cfg.num_hidden_layers * per_layer_dense + len(cfg.gdn_layers) * gdn_proj
+               + len(cfg.attention_layers) * attn_proj) * dtype_bytes
     states = requests * len(cfg.gdn_layers) * gdn * 4 * 2
     kv = requests * context * ModelCache.kv_bytes_per_token(cfg, torch.bfloat16)
     return (weights + moe_layers * distinct_experts * expert_bytes + states + kv) / HBM_BYTES_PER_S * 1e3
