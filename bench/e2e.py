@@ -79,11 +79,15 @@ class RunResult:
     accepted_tokens: int
     verify_steps: int
     tokens: list[list[int]]
+    decode_tokens: int = 0  # output tokens of steps without a prefill chunk
+    decode_s: float = 0.0  # their time
+
 
     def row(self) -> dict:
         return {
             "policy": self.policy, "concurrency": self.concurrency, "acceptance": self.acceptance,
             "output_tokens_per_s": self.output_tokens / self.wall_s, "steps": self.steps,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
             "step_ms_median": statistics.median(self.step_ms) if self.step_ms else 0.0,
             "tpot_ms_median": statistics.median(self.tpot_ms) if self.tpot_ms else 0.0,
             "tpot_ms_p99": sorted(self.tpot_ms)[max(0, math.ceil(0.99 * len(self.tpot_ms)) - 1)] if self.tpot_ms else 0.0,
@@ -93,16 +97,20 @@ class RunResult:
 
 
 def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft: int, page_size: int,
-          num_pages: int, policy: str) -> RunResult:
-    """Runs every prompt to completion through the engine's scheduler and the runner; all arrive at once."""
-    runner.set_policy(policy if not policy.startswith("fixed") else "fixed", max_draft or 16)
+          num_pages: int, policy: str, keep_policy: bool = False) -> RunResult:
+    """Runs every prompt to completion through the engine's scheduler and the runner; all arrive at once.
+    `keep_policy`: continue with the runner's policy as it is (its latency model and calibration warmed by an
+    earlier run, as in a server that has been running)."""
+    if not keep_policy:
+        runner.set_policy(policy if not policy.startswith("fixed") else "fixed", max_draft or 16)
     memory = MemoryManager(num_pages, page_size, len(prompts))
     sched = Scheduler(memory, len(prompts), max_step_tokens=8192, max_model_len=1 << 20,
                       max_draft=0 if policy == "ar" else max_draft)
     reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=max_new, ignore_eos=True)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
-    step_ms, draft, acc, vsteps, steps = [], 0, 0, 0, 0
+    step_ms, draft, acc, vsteps, steps, prefill_steps = [], 0, 0, 0, 0, []
+    decode_tokens = 0
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
@@ -121,6 +129,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         sync()
         now = time.perf_counter()
         step_ms.append((now - t0) * 1e3)
+        if any(c.num_tokens > 1 or c.start < len(c.request.prompt_ids) for c in plan.chunks):
+            prefill_steps.append(len(step_ms) - 1)
         steps += 1
         sched.commit(plan, result.accepted_tokens)
         draft += sum(result.draft_tokens.values())
@@ -133,6 +143,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
             r = c.request
             room = r.params.max_new_tokens - len(r.output_ids)
             r.output_ids.extend(new[:room])
+            if prefill_steps[-1:] != [len(step_ms) - 1]:
+                decode_tokens += len(new[:room])
             first_token_s.setdefault(r.request_id, now)
             if len(r.output_ids) >= r.params.max_new_tokens:
                 done_s[r.request_id] = now
@@ -141,8 +153,11 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     wall = time.perf_counter() - start
     tpot = [(done_s[r.request_id] - first_token_s[r.request_id]) * 1e3 / max(1, len(r.output_ids) - 1) for r in reqs]
     assert memory.stats()["used_pages"] == 0 and memory.stats()["used_slots"] == 0
-    return RunResult(policy, len(prompts), None, sum(len(r.output_ids) for r in reqs), wall, steps, step_ms, tpot,
-                     draft, acc, vsteps, [r.output_ids for r in reqs])
+    pre = set(prefill_steps)
+    decode_s = sum(ms for i, ms in enumerate(step_ms) if i not in pre) / 1e3
+    return RunResult(policy, len(prompts), None, sum(len(r.output_ids) for r in reqs), wall, steps,
+                     [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, draft, acc, vsteps,
+                     [r.output_ids for r in reqs], decode_tokens, decode_s)
 
 
 def floor_ms(cfg: ModelConfig, dtype_bytes: int, distinct_experts: float, requests: int, context: int) -> float:
@@ -170,78 +185,127 @@ def dump(out_dir: str, meta: dict, rows: list[dict]) -> None:
     (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
+def speedup_table(rows: list[dict], key: str = "decode_tokens_per_s") -> list[dict]:
+    """One row per (concurrency, acceptance): every policy's tok/s over ar's, fixed-best = the best fixed K."""
+    ar = {r["concurrency"]: r[key] for r in rows if r["policy"] == "ar"}
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        if r["policy"] == "ar" or r["acceptance"] is None:
+            continue
+        cell = cells.setdefault((r["concurrency"], r["acceptance"]), {"concurrency": r["concurrency"],
+                                                                       "acceptance": r["acceptance"]})
+        x = r[key] / ar[r["concurrency"]] if ar.get(r["concurrency"]) else 0.0
+        cell[r["policy"]] = x
+        if r["policy"].startswith("fixed") and x > cell.get("fixed-best", (0.0, ""))[0]:
+            cell["fixed-best"] = (x, r["policy"])
+    return [cells[k] for k in sorted(cells)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--acceptance", default="0.5,0.7,0.85,0.95")
-    ap.add_argument("--policies", default="fixed4,fixed16,budget,hybridspec")
+    ap.add_argument("--policies", default="fixed2,fixed4,fixed8,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--warm-new", type=int, default=16, help="tokens of the warm-up run before each measured run")
     ap.add_argument("--drafter-layers", type=int, default=2)
+    ap.add_argument("--graphs", type=int, default=1, help="CUDA graphs for decode/verify steps (1) or eager (0)")
+    ap.add_argument("--time-limit-s", type=float, default=1e9, help="stop starting new cells after this long")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
+    # decisive logits: greedy tokens do not flip under bf16 batch-shape rounding, so the replay reference holds
     if args.tiny:
-        target = build_bench_model(config=tiny_config(), routing="zipf", dtype=dtype, device=device)
+        target = build_bench_model(config=tiny_config(), routing="zipf", dtype=dtype, device=device, decisive=True)
     else:
-        target = build_bench_model(num_layers=args.layers, routing="zipf", dtype=dtype, device=device)
+        target = build_bench_model(num_layers=args.layers, routing="zipf", dtype=dtype, device=device, decisive=True)
     cfg = target.config
     page_size = 16
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    policies = args.policies.split(",")
     max_c = max(concurrencies)
-    pages_per_req = -(-(args.prompt_len + args.max_new + 20) // page_size)
+    max_k = max([int(p[len("fixed"):]) for p in policies if p.startswith("fixed")] + [16])
+    pages_per_req = -(-(args.prompt_len + args.max_new + max_k + 4) // page_size)
     num_pages = max_c * pages_per_req
-    cache = ModelCache(cfg, num_pages, page_size, max_c, dtype, device)
+    cache = ModelCache(cfg, num_pages + 1, page_size, max_c + 1, dtype, device)  # + the graphs' spare page/slot
     drafter_cost = DraftModelDrafter(drafter_model(cfg, args.drafter_layers, dtype, device), num_pages, page_size,
                                      max_c)
     runner = ModelRunner(target, cache)
+    use_graphs = bool(args.graphs) and (device == "cuda" or args.tiny)
+    if use_graphs:
+        capture = device == "cuda"
+        why = runner.enable_graphs(max_c, pages_per_req, warm=False, capture=capture)
+        assert why is None, why
+        drafter_cost.enable_graphs(max_c, pages_per_req, max_k + 1, capture=capture)
     gen = torch.Generator().manual_seed(1)
     rows, meta = [], {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                       "dtype": str(dtype), "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len,
-                      "max_new": args.max_new, "routing": "zipf", "drafter": "replay (DFlash-shaped cost: "
-                      f"{args.drafter_layers} layers at hidden {cfg.hidden_size})"}
+                      "max_new": args.max_new, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
+                      "drafter": "replay (DFlash-shaped cost: "
+                      f"{args.drafter_layers} layers at hidden {cfg.hidden_size}, one forward of the drafted block)"}
     for conc in concurrencies:
+        if time.perf_counter() - t_start > args.time_limit_s:
+            print(f"time limit: skipping concurrency {conc}", flush=True)
+            break
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(conc)]
         runner.drafter = None
-        serve(runner, prompts[:1], 4, 0, page_size, num_pages, "ar")  # warm-up
+        serve(runner, prompts, args.warm_new, 0, page_size, num_pages, "ar")  # warm-up (graph capture)
         ar = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar")
         ar_row = ar.row()
         ar_row["floor_ms"] = floor_ms(cfg, 2 if dtype == torch.bfloat16 else 4, cfg.num_experts_per_tok * 1.0, conc,
                                       args.prompt_len + args.max_new // 2)
+        ar_row["step_over_floor"] = ar_row["step_ms_median"] / ar_row["floor_ms"]
         rows.append(ar_row)
-        print(f"c={conc} ar: {ar_row['output_tokens_per_s']:.1f} tok/s, step {ar_row['step_ms_median']:.2f} ms",
-              flush=True)
+        print(f"c={conc} ar: {ar_row['decode_tokens_per_s']:.1f} tok/s (decode), step {ar_row['step_ms_median']:.2f} "
+              f"ms = {ar_row['step_over_floor']:.1f}x floor", flush=True)
         for acceptance in [float(a) for a in args.acceptance.split(",")]:
+            if time.perf_counter() - t_start > args.time_limit_s:
+                break
             replay = ReplayDrafter(acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost)
             for p, cont in zip(prompts, ar.tokens):
-                replay.set_reference(p, cont)
-            for policy in args.policies.split(","):
+                replay.set_reference(p, cont + [0] * (max_k + 2))  # room to draft past the end (never accepted)
+            for policy in policies:
                 k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
                 runner.drafter = replay
-                res = serve(runner, prompts, args.max_new, k, page_size, num_pages, policy)
+                # warm-up: captures this policy's graph buckets, fits its latency model and calibration
+                serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy)
+                res = serve(runner, prompts, args.max_new, k, page_size, num_pages, policy, keep_policy=True)
                 res.policy, res.acceptance = policy, acceptance
                 row = res.row()
-                # lossless in fp32 (tests); in bf16 a verified block and a one-token decode round differently and
-                # a near-tie can flip a token: record how often the output equals the greedy reference
                 row["greedy_match"] = sum(a == b for a, b in zip(res.tokens, ar.tokens)) / len(ar.tokens)
                 row["first_divergence_mean"] = statistics.mean(
                     next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(res.tokens, ar.tokens))
-                row["speedup_vs_ar"] = row["output_tokens_per_s"] / ar_row["output_tokens_per_s"]
+                row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_row["decode_tokens_per_s"]
+                err = runner.policy.latency.error_stats()  # prequential: each step predicted before it ran
+                row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct}
                 rows.append(row)
                 dump(args.out, meta, rows)
-                print(f"c={conc} acc={acceptance} {policy}: {row['output_tokens_per_s']:.1f} tok/s "
-                      f"({row['speedup_vs_ar']:.2f}x ar), mean accepted {row['mean_accepted_len']:.2f}", flush=True)
+                print(f"c={conc} acc={acceptance} {policy}: {row['decode_tokens_per_s']:.1f} tok/s "
+                      f"({row['speedup_vs_ar']:.2f}x ar), step {row['step_ms_median']:.2f} ms, mean accepted "
+                      f"{row['mean_accepted_len']:.2f}, greedy match {row['greedy_match']:.2f}", flush=True)
+    meta["wall_s"] = time.perf_counter() - t_start
+    if use_graphs and device == "cuda":
+        meta["graphs_captured"] = sum(g.captures for g in runner._graphs.values())
     dump(args.out, meta, rows)
-    print("\n| policy | conc | replay acc | tok/s | x ar | step ms | tpot p50/p99 ms | mean acc len |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| policy | conc | replay acc | decode tok/s | x ar | step ms | tpot p50/p99 ms | mean acc len | match |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['concurrency']} | {r['acceptance'] if r['acceptance'] is not None else '-'} | "
-              f"{r['output_tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 1.0):.2f} | {r['step_ms_median']:.2f} | "
-              f"{r['tpot_ms_median']:.1f}/{r['tpot_ms_p99']:.1f} | {r['mean_accepted_len']:.2f} |")
+              f"{r['decode_tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 1.0):.2f} | {r['step_ms_median']:.2f} | "
+              f"{r['tpot_ms_median']:.1f}/{r['tpot_ms_p99']:.1f} | {r['mean_accepted_len']:.2f} | "
+              f"{r.get('greedy_match', 1.0):.2f} |")
+    print("\nspeedup over ar (decode phase):")
+    for c in speedup_table(rows):
+        fb = c.get("fixed-best", (0.0, "-"))
+        print(f"c={c['concurrency']} acc={c['acceptance']}: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in c.items() if isinstance(v, float) and k not in ("acceptance",))
+            + f", fixed-best {fb[0]:.2f} ({fb[1]})")
     print(json.dumps(meta))
 
 

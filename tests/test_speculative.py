@@ -248,24 +248,20 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(perturbed_dir):
     assert second.token_ids == first
 
 
-def test_graph_decode_path_still_rolls_back_the_draft_model(reference):
-    """When a step drafts but verifies nothing (L = 0 everywhere) it may take the captured-graph decode path;
-    the draft model must still roll back its proposals there (else its state drifts and acceptance collapses).
-    The graph is emulated on CPU by an eager forward with the same contract."""
-    from workers.batch import ForwardBatch
+def with_static_graphs(llm: LLM) -> LLM:
+    """Steps without a prefill chunk go through the CUDA-graph path's padded static batches (run eagerly here,
+    as on CPU there is nothing to capture): the same buckets, padding rows and masks as on the GPU."""
+    engine = llm.engine
+    width = -(-engine.max_model_len // engine.config.page_size)
+    assert engine.executor.runner.enable_graphs(engine.config.max_running, width, capture=False) is None
+    return llm
 
-    llm = LLM(spec="draft", policy="fixed", max_verify_len=4, draft_model=str(default_model_dir()))
+
+def test_graph_path_rolls_back_the_draft_model_on_plain_steps(reference):
+    """When a step drafts but verifies nothing (L = 0 everywhere) it is a plain decode graph; the draft model
+    must still roll back its proposals there (else its state drifts and acceptance collapses)."""
+    llm = with_static_graphs(LLM(spec="draft", policy="fixed", max_verify_len=4, draft_model=str(default_model_dir())))
     runner = llm.engine.executor.runner
-
-    class EagerAsGraph:
-        def fits(self, batch_size: int, max_pages: int) -> bool:
-            return True
-
-        def run(self, tokens, context_lens, page_rows, slots):
-            batch = ForwardBatch.build([[t] for t in tokens], context_lens, page_rows, slots, "cpu")
-            return runner.model(batch, runner.cache)
-
-    runner.graphs = EagerAsGraph()
     calls = {"n": 0}
     plan = runner.policy.lengths
 
@@ -279,3 +275,18 @@ def test_graph_decode_path_still_rolls_back_the_draft_model(reference):
     assert tokens == reference
     assert calls["n"] > 2
     assert all(s.accepted_tokens == s.draft_tokens for s in stats)  # draft = target: nothing ever rejected
+    assert runner.step_graphs().graphs  # the graph path really ran
+
+
+@pytest.mark.parametrize("policy, acceptance", [("fixed", 0.6), ("hybridspec", 0.7)])
+def test_graph_path_verification_is_lossless(reference, policy, acceptance):
+    """Verification steps in graph buckets (padding requests, padding rows masked out of the MoE, the router
+    correction's extra token, the commit as its own graph) give exactly the eager tokens."""
+    llm = with_static_graphs(LLM(spec="replay", policy=policy, max_verify_len=6, replay_acceptance=acceptance))
+    for prompt, ref in list(zip(PROMPTS, reference))[::2]:  # mixed steps: some requests never draft
+        llm.set_replay_reference(prompt, ref)
+    tokens, stats = run(llm)
+    assert tokens == reference
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
+    graphs = llm.engine.executor.runner.step_graphs()
+    assert {k.max_block for k in graphs.graphs} == {1, 7}  # plain decode and verification buckets both ran

@@ -53,10 +53,34 @@ def zipf_router_bias(num_experts: int, seed: int, device) -> torch.Tensor:
     return (-torch.log(rank)).to(device)
 
 
+EMBED_SCALE = 32.0  # decisive logits: the token embedding dominates the residual stream this many times over
+
+
+@torch.no_grad()
+def make_logits_decisive_(model: HybridModel, seed: int) -> HybridModel:
+    """Greedy next token = a fixed permutation of the current token, by a wide margin.
+
+    Random layers give near-flat logits over 248k tokens, so bf16 rounding that depends on the batch shape
+    (a verified block vs a one-token decode) flips greedy tokens within a few steps, and a replay benchmark
+    loses its reference (bench/NOTES.md). Here the embeddings are scaled EMBED_SCALE x (every layer sees them
+    through an RMSNorm, so the layers' work and cost are unchanged) and the LM head's row v is the embedding of
+    token perm[v]: the final hidden state points along embed[x], whose logit beats every other by ~sqrt(H)
+    standard deviations. Weights only; shapes, kernels and routing statistics stay those of the bench model."""
+    emb = model.model.embed_tokens.weight
+    emb.mul_(EMBED_SCALE)
+    if model.config.tie_word_embeddings:
+        raise ValueError("decisive logits need an untied LM head")
+    gen = torch.Generator().manual_seed(seed + 7)
+    perm = torch.randperm(emb.shape[0], generator=gen).to(emb.device)
+    model.lm_head.weight.copy_(emb[perm] / EMBED_SCALE)
+    return model
+
+
 def build_bench_model(num_layers: int = 40, routing: str = "zipf", dtype: torch.dtype = torch.bfloat16,
                       device: str | torch.device = "cuda", seed: int = 0,
-                      config: ModelConfig | None = None) -> HybridModel:
-    """Random-weight model at Qwen3.6-35B-A3B shapes (or `config`), built in place on `device`."""
+                      config: ModelConfig | None = None, decisive: bool = False) -> HybridModel:
+    """Random-weight model at Qwen3.6-35B-A3B shapes (or `config`), built in place on `device`.
+    `decisive`: greedy tokens robust to bf16 rounding (make_logits_decisive_), for replay benchmarks."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     cfg = config or qwen36_35b_a3b_config(num_layers)
@@ -64,4 +88,23 @@ def build_bench_model(num_layers: int = 40, routing: str = "zipf", dtype: torch.
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, SparseMoe) and routing == "zipf":
             layer.mlp.router_bias = zipf_router_bias(cfg.num_experts, seed + i, device).to(torch.float32)
+    if decisive:
+        make_logits_decisive_(model, seed)
+    return model
+
+
+@torch.no_grad()
+def fill_bench_weights_(model: HybridModel, routing: str = "zipf", seed: int = 0,
+                        decisive: bool = False) -> HybridModel:
+    """Fills an existing HybridModel in place with the bench model's weights (what build_bench_model makes for
+    the same config and seed): init_random_, then the Zipf router bias per MoE layer, then (`decisive`)
+    make_logits_decisive_. Used by workers/weights.py for random-weights model directories."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    init_random_(model, seed)
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, SparseMoe) and routing == "zipf":
+            layer.mlp.router_bias = zipf_router_bias(model.config.num_experts, seed + i, model.device).to(torch.float32)
+    if decisive:
+        make_logits_decisive_(model, seed)
     return model

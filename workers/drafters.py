@@ -170,7 +170,10 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: HybridModel, num_pages: int, page_size: int, num_slots: int):
         self.model = model
         self.num_slots = num_slots
-        self.cache = ModelCache(model.config, num_pages, page_size, 2 * num_slots, model.dtype, model.device)
+        # one spare page and slot past the mirrored ranges (and the backup bank): padding of captured graphs
+        self.cache = ModelCache(model.config, num_pages + 1, page_size, 2 * num_slots + 1, model.dtype,
+                                model.device)
+        self.graphs = None  # StepGraphs for spend_forward (enable_graphs)
         self.cached: dict[str, int] = {}  # tokens of each request in the draft cache (its GDN state covers them)
         self.drafted: dict[str, list[int]] = {}
 
@@ -244,6 +247,21 @@ class DraftModelDrafter(Drafter):
     def spend_forward(self, requests: list[DraftRequest], tokens: list[list[int]]) -> None:
         """The replay drafter's cost: one forward of each drafted block through this model, keeping no state."""
         blocks = [[r.token_ids[-1]] + t for r, t in zip(requests, tokens)]
+        if self.graphs is not None:
+            key = self.graphs.bucket(len(blocks), sum(map(len, blocks)), max(map(len, blocks)),
+                                     max(len(r.pages) for r in requests))
+            if key is not None:
+                self.graphs.run(key, blocks, [r.num_cached for r in requests], [r.pages for r in requests],
+                                [r.slot for r in requests], [False] * len(blocks), [])
+                return
         batch = ForwardBatch.build(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
                                    [r.slot for r in requests], self.model.device)
         self.model(batch, self.cache, write=False, scratch=StepScratch({}))
+
+    def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
+        """CUDA graphs for spend_forward (the replay drafter's cost), captured per bucket on first use."""
+        from workers.graphs import StepGraphs
+
+        self.graphs = StepGraphs(self.model, self.cache, max_block=max_block, spare_page=self.cache.num_pages - 1,
+                                 spare_slot=self.cache.num_slots - 1, page_table_width=max_pages_per_request,
+                                 max_tokens=max_batch * max_block, capture=capture)

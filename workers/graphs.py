@@ -1,88 +1,254 @@
-"""CUDA graphs for plain decode steps (every request feeds one token, no drafts).
+"""CUDA graphs for decode and verification steps (no prefill chunk in the step).
 
-One graph per batch-size bucket, captured over static input buffers; a step copies its inputs into the bucket's
-buffers and replays. Padding rows point at a spare KV page and a spare GDN slot that no request owns, so they
-never touch real state. Inside the graph nothing syncs with the host: attention is planned for the page table's
-full width (no host lengths), GDN/conv/MoE kernels take device tensors only.
+A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block 1 or up to `max_block`) over
+static input buffers; a step copies its ragged batch into the bucket's buffers and replays. One graph runs the
+forward (GDN/conv state advanced only for the requests in the write mask, block inputs kept for the commit,
+router correction of extra tokens, distinct experts per MoE layer) and a second one the commit of the accepted
+tokens. Nothing inside a step synchronizes with the host: attention and GDN take the bucket's sizes as hints and
+read the real lengths from device tensors.
+
+Padding, for a step of B requests and N tokens in bucket (Bb, Nb):
+  rows 0..N-1          the real tokens, request by request (cu_seqlens as in the eager batch);
+  requests B..Bb-1     zero tokens (their slots and pages are the spare ones no request owns);
+  requests Bb..Bb+P-1  the Nb - N padding tokens, at most `max_block` each, on the spare page and slot, never
+                       written to GDN state, masked out of every MoE layer (no expert work, not counted).
+P is fixed per bucket: enough for the largest padding the bucket can see. On CPU (or with `capture=False`) the
+same static batches run eagerly: that path checks the padding on machines without CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from kernels import dispatch
 from workers.batch import ForwardBatch
-from workers.cache import ModelCache
-from workers.model import HybridModel
+from workers.cache import ModelCache, StepScratch
+from workers.model import HybridModel, MoEContext
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def token_buckets(limit: int) -> list[int]:
+    """1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, ... (steps of 1/4 to 1/2) up to >= limit."""
+    out = [1, 2, 3]
+    base = 4
+    while out[-1] < limit:
+        out.extend(b for b in (base, base + base // 4, base + base // 2) if b > out[-1])
+        base *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class BucketKey:
+    requests: int  # Bb
+    tokens: int  # Nb
+    max_block: int  # 1 (plain decode) or the runner's largest block (verification)
 
 
 @dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch  # static input buffers
-    logits: Tensor  # static output [B, V]
+class StepOutputs:
+    """Views of a replayed graph's outputs; valid until the next replay of any graph."""
+
+    logits: Tensor  # [N, V] fp32, flat rows (every token of the step, padding cut off)
+    hidden: Tensor | None  # [N, H] final-normed hidden states (drafters that need them)
+    moe: MoEContext | None  # token_mask [Nb], distinct_experts, expert_counts
+    key: BucketKey
 
 
-class DecodeGraphs:
-    def __init__(self, model: HybridModel, cache: ModelCache, max_batch: int, spare_page: int, spare_slot: int):
+@dataclass
+class _Graph:
+    batch: ForwardBatch  # static inputs
+    write: Tensor  # [R] bool: requests whose GDN state the forward advances
+    extra_rows: Tensor  # [Nb] bool
+    row_mask: Tensor  # [Nb] bool: real rows
+    keep: Tensor  # [R] int64 commit lengths
+    moe: MoEContext
+    scratch: StepScratch
+    logits: Tensor  # [Nb, V] static output (view of the shared buffer)
+    hidden: Tensor | None
+    forward: torch.cuda.CUDAGraph | None = None
+    commit: torch.cuda.CUDAGraph | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class StepGraphs:
+    """Lazily captured graphs for decode/verify steps of one model and cache."""
+
+    def __init__(self, model: HybridModel, cache: ModelCache, *, max_block: int, spare_page: int, spare_slot: int,
+                 page_table_width: int, max_tokens: int, return_hidden: bool = False, extra_token: bool = False,
+                 collect_counts: bool = False, capture: bool | None = None, max_graphs: int = 96):
         self.model, self.cache = model, cache
-        self.max_pages = cache.num_pages
+        self.max_block = max_block
         self.spare_page, self.spare_slot = spare_page, spare_slot
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        self.graphs: dict[int, _Captured] = {}
-        self.width = 0  # page-table columns of the captured graphs
+        self.width = page_table_width
+        self.return_hidden, self.extra_token, self.collect_counts = return_hidden, extra_token, collect_counts
+        self.capture = model.device.type == "cuda" if capture is None else capture
+        self.max_graphs = max_graphs
+        self.tokens = token_buckets(max_tokens)
+        self.graphs: dict[BucketKey, _Graph] = {}
+        self.pool = None
+        device, vocab = model.device, model.config.vocab_size
+        self.logits_out = torch.empty(self.tokens[-1], vocab, dtype=torch.float32, device=device)  # shared
+        self.hidden_out = (torch.empty(self.tokens[-1], model.config.hidden_size, dtype=model.dtype, device=device)
+                           if return_hidden else None)
+        self.captures = 0
 
-    def capture(self, max_pages_per_request: int) -> None:
-        self.width = max_pages_per_request
-        pool = None
-        for size in self.buckets:
-            batch = self._static_batch(size)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # compile and warm every kernel outside the capture
-                for _ in range(2):
-                    self.model(batch, self.cache)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(batch, self.cache)
-            pool = graph.pool()
-            self.graphs[size] = _Captured(graph, batch, logits)
+    # ------------------------------------------------------------------------------------------ buckets
+    def bucket(self, num_requests: int, num_tokens: int, max_block: int, max_pages: int) -> BucketKey | None:
+        if max_block > self.max_block or max_pages > self.width or num_tokens > self.tokens[-1]:
+            return None
+        reqs = next((b for b in BATCH_BUCKETS if b >= num_requests), None)
+        toks = next(t for t in self.tokens if t >= num_tokens)
+        if reqs is None:
+            return None
+        key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block)
+        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+            return None
+        return key
 
-    def _static_batch(self, size: int) -> ForwardBatch:
+    def _pad_requests(self, key: BucketKey) -> int:
+        """P: padding requests for the largest padding this bucket can see (N just above the bucket below)."""
+        i = self.tokens.index(key.tokens)
+        smallest = self.tokens[i - 1] + 1 if i > 0 else 1
+        return -(-(key.tokens - smallest) // key.max_block)
+
+    # ------------------------------------------------------------------------------------------ capture
+    def _new(self, key: BucketKey) -> _Graph:
         device = self.model.device
-        return ForwardBatch(
-            input_ids=torch.zeros(size, dtype=torch.int64, device=device),
-            positions=torch.zeros(size, dtype=torch.int64, device=device),
-            request_of_row=torch.arange(size, dtype=torch.int64, device=device),
-            cu_seqlens=torch.arange(size + 1, dtype=torch.int32, device=device),
-            context_lens=torch.zeros(size, dtype=torch.int32, device=device),
-            page_table=torch.full((size, self.width), self.spare_page, dtype=torch.int32, device=device),
-            state_slots=torch.full((size,), self.spare_slot, dtype=torch.int64, device=device),
-            query_lens=[1] * size,
+        r = key.requests + self._pad_requests(key)
+        nb = key.tokens
+        i32, i64 = torch.int32, torch.int64
+        batch = ForwardBatch(
+            input_ids=torch.zeros(nb, dtype=i64, device=device),
+            positions=torch.zeros(nb, dtype=i64, device=device),
+            request_of_row=torch.full((nb,), r - 1, dtype=i64, device=device),
+            cu_seqlens=torch.zeros(r + 1, dtype=i32, device=device),
+            context_lens=torch.zeros(r, dtype=i32, device=device),
+            page_table=torch.full((r, self.width), self.spare_page, dtype=i32, device=device),
+            state_slots=torch.full((r,), self.spare_slot, dtype=i64, device=device),
+            query_lens=[key.max_block] * r,  # size hints for the kernels; real lengths come from cu_seqlens
             context_lens_host=None,  # type: ignore[arg-type]  # attention plans for the full page-table width
         )
+        self._capture_layout(batch, r, nb, key.max_block)
+        g = _Graph(batch=batch, write=torch.zeros(r, dtype=torch.bool, device=device),
+                   extra_rows=torch.zeros(nb, dtype=torch.bool, device=device),
+                   row_mask=torch.zeros(nb, dtype=torch.bool, device=device),
+                   keep=torch.zeros(r, dtype=i64, device=device), moe=MoEContext(), scratch=StepScratch({}),
+                   logits=self.logits_out[:nb], hidden=self.hidden_out[:nb] if self.hidden_out is not None else None)
+        if not self.capture:
+            return g
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile and autotune every kernel outside the capture
+            for _ in range(2):
+                self._forward(g)
+                self._commit(g)
+        torch.cuda.current_stream().wait_stream(stream)
+        g.forward = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.forward, pool=self.pool):
+            self._forward(g)
+        self.pool = g.forward.pool()
+        g.commit = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.commit, pool=self.pool):
+            self._commit(g)
+        self.captures += 1
+        return g
 
-    def fits(self, batch_size: int, max_pages: int) -> bool:
-        return bool(self.graphs) and batch_size <= self.buckets[-1] and max_pages <= self.width
+    def _forward(self, g: _Graph) -> None:
+        g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token else None, row_mask=g.row_mask,
+                           collect_counts=self.collect_counts)
+        g.scratch = StepScratch({})
+        out = self.model(g.batch, self.cache, None, write=g.write, scratch=g.scratch,
+                         return_hidden=self.return_hidden, moe=g.moe, all_rows_into=g.logits)
+        if self.return_hidden:
+            g.hidden.copy_(out[1])
 
-    def run(self, tokens: list[int], context_lens: list[int], page_rows: list[list[int]], slots: list[int]) -> Tensor:
-        """One decode step for len(tokens) requests; returns logits [B, V] (fp32)."""
-        size = next(b for b in self.buckets if b >= len(tokens))
-        cap = self.graphs[size]
-        pad = size - len(tokens)
-        table = torch.full((size, self.width), self.spare_page, dtype=torch.int32)
+    def _commit(self, g: _Graph) -> None:
+        self.model.commit(g.batch, self.cache, g.scratch, g.keep)
+
+    # ------------------------------------------------------------------------------------------ steps
+    @staticmethod
+    def _capture_layout(batch: ForwardBatch, r: int, nb: int, max_block: int) -> None:
+        """Any valid layout for the capture (a used bucket always has nb <= r * max_block): up to max_block
+        tokens per request, all on the spare page and slot."""
+        lens, rest = [], nb
+        for _ in range(r):
+            lens.append(min(rest, max_block))
+            rest -= lens[-1]
+        cu = torch.tensor([0] + lens).cumsum(0)
+        batch.cu_seqlens.copy_(cu.to(torch.int32))
+        batch.request_of_row.copy_(torch.repeat_interleave(torch.arange(r), torch.tensor(lens)))
+
+    def run(self, key: BucketKey, blocks: list[list[int]], context_lens: list[int], page_rows: list[list[int]],
+            slots: list[int], write: list[bool], extra_rows: list[int]) -> StepOutputs:
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._new(key)
+        b, r, nb = len(blocks), g.write.shape[0], key.tokens
+        lens = [len(x) for x in blocks]
+        n = sum(lens)
+        # host buffers, one copy each to the device
+        cu = [0]
+        for t in lens:
+            cu.append(cu[-1] + t)
+        pad_lens = self._padding_lens(b, r, nb - n, key.max_block)
+        for t in pad_lens:
+            cu.append(cu[-1] + t)
+        flat = [tok for x in blocks for tok in x] + [0] * (nb - n)
+        positions = [c + j for c, t in zip(context_lens, lens) for j in range(t)] + [0] * (nb - n)
+        owner = [i for i, t in enumerate(lens) for _ in range(t)]
+        owner += [b + i for i, t in enumerate(pad_lens) for _ in range(t)]
+        table = torch.full((r, self.width), self.spare_page, dtype=torch.int32)
         for i, row in enumerate(page_rows):
             table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        b = cap.batch
-        b.input_ids.copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
-        b.positions.copy_(torch.tensor(context_lens + [0] * pad), non_blocking=True)
-        b.context_lens.copy_(torch.tensor(context_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        b.page_table.copy_(table, non_blocking=True)
-        b.state_slots.copy_(torch.tensor(slots + [self.spare_slot] * pad), non_blocking=True)
-        cap.graph.replay()
-        return cap.logits[:len(tokens)]
+        ints = torch.tensor(flat + positions + owner, dtype=torch.int64)
+        bt = g.batch
+        bt.input_ids.copy_(ints[:nb], non_blocking=True)
+        bt.positions.copy_(ints[nb:2 * nb], non_blocking=True)
+        bt.request_of_row.copy_(ints[2 * nb:], non_blocking=True)
+        bt.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32), non_blocking=True)
+        bt.context_lens.copy_(torch.tensor(context_lens + [0] * (r - b), dtype=torch.int32), non_blocking=True)
+        bt.page_table.copy_(table, non_blocking=True)
+        bt.state_slots.copy_(torch.tensor(slots + [self.spare_slot] * (r - b)), non_blocking=True)
+        masks = torch.zeros(r + 2 * nb, dtype=torch.bool)
+        masks[:b] = torch.tensor(write, dtype=torch.bool)
+        if extra_rows:
+            masks[[r + i for i in extra_rows]] = True
+        masks[r + nb:r + nb + n] = True
+        g.write.copy_(masks[:r], non_blocking=True)
+        g.extra_rows.copy_(masks[r:r + nb], non_blocking=True)
+        g.row_mask.copy_(masks[r + nb:], non_blocking=True)
+        if not self.capture:  # eager on the same static batch (CPU tests)
+            if not dispatch.use_triton(bt.input_ids):  # the references loop over the real host lengths
+                bt.query_lens = lens + pad_lens
+                bt.context_lens_host = context_lens + [0] * (r - b)
+            self._forward(g)
+        else:
+            g.forward.replay()
+        return StepOutputs(g.logits[:n], g.hidden[:n] if g.hidden is not None else None, g.moe, key)
+
+    def _padding_lens(self, b: int, r: int, pad: int, max_block: int) -> list[int]:
+        """Tokens of requests b..r-1: zero for the first ones, the padding (<= max_block each) in the last."""
+        lens = [0] * (r - b)
+        i = len(lens) - 1
+        while pad > 0:
+            if i < 0:
+                raise RuntimeError("graph bucket has too few padding requests")  # bucket() rules this out
+            take = min(pad, max_block)
+            lens[i] = take
+            pad -= take
+            i -= 1
+        return lens
+
+    def commit(self, key: BucketKey, keep: list[int]) -> None:
+        """Replays the commit: keep[i] accepted tokens of request i (0 for requests the forward advanced)."""
+        g = self.graphs[key]
+        r = g.keep.shape[0]
+        g.keep.copy_(torch.tensor(keep + [0] * (r - len(keep)), dtype=torch.int64), non_blocking=True)
+        if not self.capture:
+            self._commit(g)
+        else:
+            g.commit.replay()

@@ -29,10 +29,32 @@ class MoEContext:
     later expert work), and the distinct experts touched per MoE layer (device scalars)."""
 
     extra_rows: Tensor | None = None
+    row_mask: Tensor | None = None  # [N] bool, False = a padding row of a captured graph (never any expert work)
     token_mask: Tensor | None = None
     distinct_experts: list[Tensor] = field(default_factory=list)
     collect_counts: bool = False  # also keep each layer's per-expert token counts (routing statistics)
     expert_counts: list[Tensor] = field(default_factory=list)
+
+    def mask_for(self, ids: Tensor, num_experts: int) -> Tensor | None:
+        """One MoE layer's routing (ids [N, k]) -> the token mask its experts run with, recording what the
+        latency model learns. The first call applies the router correction (padding rows cover nothing).
+        Device ops only: no host sync, so it can be captured in a CUDA graph."""
+        if self.token_mask is None and (self.extra_rows is not None or self.row_mask is not None):
+            if self.extra_rows is None:
+                self.token_mask = self.row_mask
+            else:
+                real = ids if self.row_mask is None else torch.where(self.row_mask[:, None], ids, num_experts)
+                self.token_mask = router_correction_ref(real, self.extra_rows, num_experts)
+                if self.row_mask is not None:
+                    self.token_mask = self.token_mask & self.row_mask
+        mask = self.token_mask
+        self.distinct_experts.append(distinct_experts_ref(ids, mask, num_experts))
+        if self.collect_counts:
+            kept = ids if mask is None else torch.where(mask[:, None], ids, num_experts)
+            counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+            counts.index_add_(0, kept.reshape(-1), torch.ones_like(kept.reshape(-1)))
+            self.expert_counts.append(counts[:num_experts])
+        return mask
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -182,6 +204,7 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = Linear(h, 1, dtype, device)
         # benchmarks only: a fixed per-expert logit bias that gives random-weight routers realistic skew
         self.register_buffer("router_bias", None, persistent=False)
+        self.ep = None  # expert parallelism: this rank's shard + exchange (workers/expert_parallel.py), else local
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, H] -> (weights [N, k], expert ids [N, k])."""
@@ -195,16 +218,9 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: Tensor, ctx: MoEContext | None = None) -> Tensor:
         weights, ids = self.route(x)
-        token_mask = None
-        if ctx is not None:
-            if ctx.extra_rows is not None and ctx.token_mask is None:  # the first router: correction
-                ctx.token_mask = router_correction_ref(ids, ctx.extra_rows, self.experts.gate_up_proj.shape[0])
-            token_mask = ctx.token_mask
-            num_experts = self.experts.gate_up_proj.shape[0]
-            ctx.distinct_experts.append(distinct_experts_ref(ids, token_mask, num_experts))
-            if ctx.collect_counts:
-                kept = ids if token_mask is None else ids[token_mask]
-                ctx.expert_counts.append(torch.bincount(kept.reshape(-1), minlength=num_experts))
+        if self.ep is not None:  # routed experts on their owners' ranks (all-to-all), shared expert here
+            return self.ep(self, x, weights, ids, ctx)
+        token_mask = ctx.mask_for(ids, self.experts.gate_up_proj.shape[0]) if ctx is not None else None
         routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
@@ -261,7 +277,8 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows: Tensor | None = None,
                 write: bool | Tensor = True, scratch: StepScratch | None = None,
-                return_hidden: bool = False, moe: MoEContext | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                return_hidden: bool = False, moe: MoEContext | None = None,
+                all_rows_into: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Runs every request's new tokens against its cached state and returns logits [M, V] for the flat
         rows in `logit_rows` (default: every request's last token).
 
@@ -269,6 +286,7 @@ class HybridModel(nn.Module):
         windows advance only for requests selected by `write` (True = all, or a [B] bool mask); the others
         are left at S_0 with their block inputs in `scratch`, to be advanced by `commit`. `moe` carries the
         router correction of extra verification tokens and collects distinct experts per MoE layer.
+        `all_rows_into` ([N, V] fp32): logits of every row are written there (captured graphs' shared output).
         """
         if scratch is None and not (write is True):
             raise ValueError("a forward that does not write every request's GDN state needs a StepScratch")
@@ -277,17 +295,22 @@ class HybridModel(nn.Module):
         layers_scratch = scratch.layers if scratch is not None else None
         for i, (layer, state) in enumerate(zip(self.model.layers, cache.layers)):
             x = layer(x, batch, state, cos, sin, write, layers_scratch, i, moe)
-        rows = batch.last_token_rows() if logit_rows is None else logit_rows
         hidden = self.model.norm(x) if return_hidden else None  # every row's (the MTP head's input)
-        h = hidden[rows] if hidden is not None else self.model.norm(x[rows])
-        logits = self.logits(h)
+        if all_rows_into is not None:
+            logits = self.logits(hidden if hidden is not None else self.model.norm(x), out=all_rows_into)
+        else:
+            rows = batch.last_token_rows() if logit_rows is None else logit_rows
+            h = hidden[rows] if hidden is not None else self.model.norm(x[rows])
+            logits = self.logits(h)
         return (logits, hidden) if return_hidden else logits
 
-    def logits(self, h: Tensor, exact_top: int = 4) -> Tensor:
-        """fp32 logits [M, V]. In bf16 the candidates for the argmax are recomputed in fp32: bf16 logits over a
-        vocabulary of 10^5 tie often, and greedy decoding must not depend on how a kernel breaks the tie."""
+    def logits(self, h: Tensor, exact_top: int = 4, out: Tensor | None = None) -> Tensor:
+        """fp32 logits [M, V] (into `out` when given). In bf16 the candidates for the argmax are recomputed in
+        fp32: bf16 logits over a vocabulary of 10^5 tie often, and greedy decoding must not depend on how a
+        kernel breaks the tie."""
         weight = self.lm_head_weight()
-        logits = F.linear(h, weight).float()
+        logits = F.linear(h, weight)
+        logits = logits.float() if out is None else out.copy_(logits)
         if h.dtype != torch.float32 and h.shape[0] > 0:
             top = logits.topk(exact_top, dim=-1).indices  # [M, k]
             exact = torch.einsum("mh,mkh->mk", h.float(), weight[top].float())

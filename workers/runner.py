@@ -15,7 +15,7 @@ from scheduler.types import StepRequest, StepResult
 from workers.acceptance import accept
 from workers.batch import ForwardBatch
 from workers.cache import ModelCache, StepScratch
-from workers.graphs import DecodeGraphs
+from workers.graphs import BATCH_BUCKETS, StepGraphs
 from workers.config import ModelConfig
 from workers.drafters import Drafter, DraftRequest
 from workers.model import HybridModel, MoEContext
@@ -57,7 +57,9 @@ class ModelRunner:
         self.device = model.device
         self.generators: dict[str, torch.Generator | None] = {}
         self.draft_generators: dict[str, torch.Generator | None] = {}
-        self.graphs: DecodeGraphs | None = None
+        self.graph_config: tuple[int, int] | None = None  # (max batch, page-table width) once enabled
+        self._graph_capture = True
+        self._graphs: dict[tuple, StepGraphs] = {}  # one set per (policy flags, drafter needs)
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
@@ -73,18 +75,44 @@ class ModelRunner:
         # one spare page and slot past the allocator's range: padding rows of captured graphs write there
         return cls(model, ModelCache(model_config, num_pages + 1, page_size, num_slots + 1, dtype, device))
 
-    def enable_graphs(self, max_batch: int, max_pages_per_request: int) -> str | None:
-        """Captures CUDA graphs for plain decode steps (CUDA only). Returns None, or why it fell back to eager.
-        The cache must have a spare page and slot past the allocator's range (create() makes them)."""
-        if self.device.type != "cuda":
+    def enable_graphs(self, max_batch: int, max_pages_per_request: int, warm: bool = True,
+                      capture: bool = True) -> str | None:
+        """CUDA graphs for decode and verification steps (CUDA only), captured per bucket on first use; `warm`
+        captures the plain-decode buckets now. Returns None, or why steps stay eager. The cache must have a
+        spare page and slot past the allocator's range (create() makes them). `capture=False` runs the graphs'
+        padded static batches eagerly instead (any device: tests of the padding)."""
+        if capture and self.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
-        graphs = DecodeGraphs(self.model, self.cache, max_batch, self.cache.num_pages - 1, self.cache.num_slots - 1)
-        try:
-            graphs.capture(max_pages_per_request)
-        except Exception as e:  # noqa: BLE001 - eager still works; say why
-            return f"capture failed: {type(e).__name__}: {e}"
-        self.graphs = graphs
+        self.graph_config = (max_batch, max_pages_per_request)
+        self._graph_capture = capture
+        if warm:
+            try:
+                graphs = self.step_graphs()
+                for b in [x for x in BATCH_BUCKETS if x < max_batch] + [max_batch]:
+                    key = graphs.bucket(b, b, 1, 1)
+                    if key is not None and key not in graphs.graphs:
+                        graphs.run(key, [[0]] * b, [1] * b, [[graphs.spare_page]] * b, [graphs.spare_slot] * b,
+                                   [False] * b, [])
+            except Exception as e:  # noqa: BLE001 - eager still works; say why
+                self.graph_config = None
+                self._graphs.clear()
+                return f"capture failed: {type(e).__name__}: {e}"
         return None
+
+    def step_graphs(self) -> StepGraphs | None:
+        """The graph set for the current policy and drafter (built on first use), or None if not enabled."""
+        if self.graph_config is None:
+            return None
+        max_batch, width = self.graph_config
+        block = self.policy.max_verify_len + 1
+        hidden = bool(getattr(self.drafter, "needs_hidden", False))
+        flags = (block, hidden, self.policy.uses_extra_token, self.policy.name == "hybridspec")
+        if flags not in self._graphs:
+            self._graphs[flags] = StepGraphs(
+                self.model, self.cache, max_block=block, spare_page=self.cache.num_pages - 1,
+                spare_slot=self.cache.num_slots - 1, page_table_width=width, max_tokens=max_batch * block,
+                return_hidden=hidden, extra_token=flags[2], collect_counts=flags[3], capture=self._graph_capture)
+        return self._graphs[flags]
 
     def execute(self, requests: list[StepRequest]) -> StepResult:
         """Runs every request's tokens as one ragged forward. Prefill chunks advance their state directly;
@@ -135,13 +163,19 @@ class ModelRunner:
                 first = starts[i + 1] - 1 - len(drafts.get(i, []))
                 spans[i] = (len(rows), len(rows) + starts[i + 1] - first)
                 rows.extend(range(first, starts[i + 1]))
-        moe, scratch, hidden, batch = None, None, None, None
+        moe, scratch, hidden, batch, key = None, None, None, None, None
+        learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
+        graphs = self.step_graphs()
+        if graphs is not None and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests):
+            key = graphs.bucket(len(requests), starts[-1], max(len(b) for b in blocks),
+                                max(len(r.pages) for r in requests))
         timer = _ForwardTimer(self.device)
-        if (not drafts and self.graphs is not None and not getattr(self.drafter, "needs_hidden", False)
-                and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
-                and self.graphs.fits(len(requests), max(len(r.pages) for r in requests))):
-            logits = self.graphs.run([r.tokens[0] for r in requests], [r.context_len for r in requests],
-                                     [r.pages for r in requests], [r.slot for r in requests])  # rows == requests
+        if key is not None:  # a captured graph: logits of every flat row, spans index them directly
+            out = graphs.run(key, blocks, [r.context_len for r in requests], [r.pages for r in requests],
+                             [r.slot for r in requests], [i not in drafts for i in range(len(requests))],
+                             [starts[i + 1] - 1 for i in extra])
+            logits, hidden, moe = out.logits, out.hidden, out.moe
+            spans = {i: (starts[i + 1] - 1 - len(drafts.get(i, [])), starts[i + 1]) for i in spans}
         else:
             batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
                                        [r.slot for r in requests], self.device)
@@ -150,7 +184,6 @@ class ModelRunner:
                 extra_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
                 extra_rows[[starts[i + 1] - 1 for i in extra]] = True
                 extra_rows = extra_rows.to(self.device)
-            learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
             if learns_experts or extra:
                 moe = MoEContext(extra_rows=extra_rows, collect_counts=learns_experts)
             write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
@@ -188,7 +221,9 @@ class ModelRunner:
                     result.accepted_tokens[r.request_id] = a
                     verified.append((confidences[i], len(mine), a))
             accepted_counts[i] = a
-        if scratch is not None:
+        if key is not None and drafts:
+            graphs.commit(key, [keep[i] if i in drafts else 0 for i in range(len(requests))])
+        elif scratch is not None:
             self.model.commit(batch, self.cache, scratch, torch.tensor(keep, device=self.device), written=write)
         if draft_reqs:  # every drafter rolls back to what was accepted (0 where nothing was verified)
             self.drafter.commit(draft_reqs, [accepted_counts.get(i, 0) if i in drafts else 0 for i in spec])
@@ -198,8 +233,9 @@ class ModelRunner:
         # 5. what the latency model and the calibration learn from this step
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], timer.elapsed_ms(),
-            [int(x) for x in torch.stack(moe.distinct_experts).tolist()] if moe and moe.distinct_experts else None,
-            verified), moe.expert_counts if moe is not None else None)
+            [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
+            if learns_experts and moe and moe.distinct_experts else None,
+            verified), moe.expert_counts if learns_experts and moe is not None else None)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
