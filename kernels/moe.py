@@ -61,7 +61,7 @@ def router_correction_ref(topk_ids: Tensor, extra_rows: Tensor, num_experts: int
     """
     covered = torch.zeros(num_experts + 1, dtype=torch.bool, device=topk_ids.device)
     others = torch.where(extra_rows[:, None], num_experts, topk_ids)  # extra rows point at a dummy expert
-    covered[others.reshape(-1)] = True
+    covered.index_fill_(0, others.reshape(-1), True)  # (no host scalar: capturable in a CUDA graph)
     extra_ok = covered[topk_ids].all(dim=-1)  # [N]
     return ~extra_rows | extra_ok
 
@@ -70,5 +70,5 @@ def distinct_experts_ref(topk_ids: Tensor, token_mask: Tensor | None, num_expert
     """Number of distinct experts the (unmasked) tokens touch, as a device scalar (no host sync)."""
     ids = topk_ids if token_mask is None else torch.where(token_mask[:, None], topk_ids, num_experts)
     hit = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
-    hit[ids.reshape(-1)] = 1
+    hit.index_fill_(0, ids.reshape(-1), 1)
     return hit[:num_experts].sum()
