@@ -81,6 +81,7 @@ class RunResult:
     tokens: list[list[int]]
     decode_tokens: int = 0  # output tokens of steps without a prefill chunk
     decode_s: float = 0.0  # their time
+    captures: int = 0  # decode steps that captured a CUDA graph first (left out of decode_tokens / decode_s)
 
 
     def row(self) -> dict:
@@ -88,6 +89,7 @@ class RunResult:
             "policy": self.policy, "concurrency": self.concurrency, "acceptance": self.acceptance,
             "output_tokens_per_s": self.output_tokens / self.wall_s, "steps": self.steps,
             "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+            "capture_steps": self.captures,
             "step_ms_median": statistics.median(self.step_ms) if self.step_ms else 0.0,
             "tpot_ms_median": statistics.median(self.tpot_ms) if self.tpot_ms else 0.0,
             "tpot_ms_p99": sorted(self.tpot_ms)[max(0, math.ceil(0.99 * len(self.tpot_ms)) - 1)] if self.tpot_ms else 0.0,
@@ -110,7 +112,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     for r in reqs:
         sched.add(r)
     step_ms, draft, acc, vsteps, steps, prefill_steps = [], 0, 0, 0, 0, []
-    decode_tokens = 0
+    decode_tokens, captures = 0, 0
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
@@ -131,6 +133,9 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         step_ms.append((now - t0) * 1e3)
         if any(c.num_tokens > 1 or c.start < len(c.request.prompt_ids) for c in plan.chunks):
             prefill_steps.append(len(step_ms) - 1)
+        elif getattr(runner, "last_step_captured", False):  # a one-time graph capture: not a decode step's time
+            prefill_steps.append(len(step_ms) - 1)
+            captures += 1
         steps += 1
         sched.commit(plan, result.accepted_tokens)
         draft += sum(result.draft_tokens.values())
@@ -157,7 +162,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     decode_s = sum(ms for i, ms in enumerate(step_ms) if i not in pre) / 1e3
     return RunResult(policy, len(prompts), None, sum(len(r.output_ids) for r in reqs), wall, steps,
                      [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, draft, acc, vsteps,
-                     [r.output_ids for r in reqs], decode_tokens, decode_s)
+                     [r.output_ids for r in reqs], decode_tokens, decode_s, captures)
 
 
 def floor_ms(cfg: ModelConfig, dtype_bytes: int, distinct_experts: float, requests: int, context: int) -> float:
@@ -210,7 +215,7 @@ def main() -> None:
     ap.add_argument("--policies", default="fixed2,fixed4,fixed8,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--warm-new", type=int, default=16, help="tokens of the warm-up run before each measured run")
+    ap.add_argument("--warm-new", type=int, default=32, help="tokens of the warm-up run before each measured run")
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--graphs", type=int, default=1, help="CUDA graphs for decode/verify steps (1) or eager (0)")
     ap.add_argument("--time-limit-s", type=float, default=1e9, help="stop starting new cells after this long")

@@ -30,16 +30,18 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 class StepObservation:
     tokens_per_request: list[int]
     context_lens: list[int]
-    forward_ms: float
+    forward_ms: float | None  # None: not a measurement (the step captured a CUDA graph first)
     distinct_experts: list[int] | None  # per MoE layer (None: not observed; the estimator stands in)
     verified: list[tuple[list[float], int, int]] = field(default_factory=list)  # (confidences, verified, accepted)
 
 
 class LengthPolicy:
-    def __init__(self, name: str, config: ModelConfig, max_verify_len: int = 16):
+    def __init__(self, name: str, config: ModelConfig, max_verify_len: int = 16,
+                 device: torch.device | str = "cpu"):
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         self.name, self.max_verify_len = name, max_verify_len
+        self.device = torch.device(device)  # where the joint planner's tensors live (the model's device)
         self.num_moe_layers = sum(config.moe_layers)
         self.estimator = ExpertEstimator(max(self.num_moe_layers, 1), max(config.num_experts, 1),
                                          max(config.num_experts_per_tok, 1))
@@ -82,22 +84,24 @@ class LengthPolicy:
         surv = torch.zeros(len(survival), width, dtype=torch.float64)
         for i, row in enumerate(survival):
             surv[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
-        if self._touch is None:
-            self._touch = torch.tensor(self.estimator.touch_prob_table(), dtype=torch.float64)
+        if self._touch is None:  # [MoE layers, E]: the planner's work is B x K x layers x E, so on the device
+            self._touch = torch.tensor(self.estimator.touch_prob_table(), dtype=torch.float64, device=self.device)
         fixed_ms = (coefs.const_ms + coefs.ms_per_token * sum(tokens) + coefs.ms_per_request * len(tokens)
                     + coefs.ms_per_context_token * sum(contexts))
-        lengths = plan_with_experts_device(surv, torch.tensor(caps), fixed_ms, coefs.ms_per_token,
-                                           coefs.ms_per_expert, self._touch, torch.tensor(tokens))
+        lengths = plan_with_experts_device(surv.to(self.device), torch.tensor(caps, device=self.device), fixed_ms,
+                                           coefs.ms_per_token, coefs.ms_per_expert, self._touch,
+                                           torch.tensor(tokens, device=self.device))
         return [int(x) for x in lengths.tolist()]
 
     def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         self.steps += 1
         comp = StepComposition(obs.tokens_per_request, obs.context_lens, self.num_moe_layers,
                                obs.distinct_experts if self.num_moe_layers and obs.distinct_experts else None)
-        self.latency.observe(comp, obs.forward_ms)
-        if not self.latency.fitted and len(self.latency.samples) >= self.latency.min_samples:
-            self.latency.fit()
-        self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
+        if obs.forward_ms is not None:
+            self.latency.observe(comp, obs.forward_ms)
+            if not self.latency.fitted and len(self.latency.samples) >= self.latency.min_samples:
+                self.latency.fit()
+            self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
         if drafter is not None and obs.verified:
             self.calibrator.observe_step(drafter, obs.verified)
         if expert_counts:  # routing popularity, folded in every few steps (pure Python, a few ms)

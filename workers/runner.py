@@ -63,7 +63,7 @@ class ModelRunner:
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
-        self.policy = LengthPolicy(policy, self.model.config, max_verify_len)
+        self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
@@ -163,7 +163,7 @@ class ModelRunner:
                 first = starts[i + 1] - 1 - len(drafts.get(i, []))
                 spans[i] = (len(rows), len(rows) + starts[i + 1] - first)
                 rows.extend(range(first, starts[i + 1]))
-        moe, scratch, hidden, batch, key = None, None, None, None, None
+        moe, scratch, hidden, batch, key, captured = None, None, None, None, None, False
         learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
         graphs = self.step_graphs()
         if graphs is not None and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests):
@@ -175,6 +175,7 @@ class ModelRunner:
                              [r.slot for r in requests], [i not in drafts for i in range(len(requests))],
                              [starts[i + 1] - 1 for i in extra])
             logits, hidden, moe = out.logits, out.hidden, out.moe
+            captured = out.captured
             spans = {i: (starts[i + 1] - 1 - len(drafts.get(i, [])), starts[i + 1]) for i in spans}
         else:
             batch = ForwardBatch.build(blocks, [r.context_len for r in requests], [r.pages for r in requests],
@@ -230,9 +231,11 @@ class ModelRunner:
         if hidden is not None:  # the MTP head pairs every committed token with the target's hidden state
             self.drafter.observe([(r.request_id, blocks[i][:keep[i]], hidden[starts[i]:starts[i] + keep[i]],
                                    r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
-        # 5. what the latency model and the calibration learn from this step
+        # 5. what the latency model and the calibration learn from this step (a step that captured a graph
+        # first is no measurement of the step: its time goes to the calibration only)
+        self.last_step_captured = captured
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
-            [len(b) for b in blocks], [r.context_len for r in requests], timer.elapsed_ms(),
+            [len(b) for b in blocks], [r.context_len for r in requests], None if captured else timer.elapsed_ms(),
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
             if learns_experts and moe and moe.distinct_experts else None,
             verified), moe.expert_counts if learns_experts and moe is not None else None)
