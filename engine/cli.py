@@ -2,7 +2,8 @@
 
     hybridspec serve [MODEL_DIR] [--host 127.0.0.1] [--port 50051] [--device cpu|cuda] [--dtype float32|bfloat16]
                      [--spec off|ngram|draft|mtp|replay] [--policy ar|fixed|budget|hybridspec] [--max-verify-len K]
-                     [--draft-model DIR] [--executor local|ray] [--metrics-port N] [engine limits]
+                     [--draft-model DIR] [--executor local|ray] [--expert-parallel N] [--metrics-port N]
+                     [engine limits]
     hybridspec generate PROMPT --server HOST:PORT [sampling options]      (stream from a running server)
     hybridspec generate PROMPT [--model DIR] [model options] [sampling options]   (run in this process)
 """
@@ -15,7 +16,7 @@ import sys
 from scheduler.types import MAX_NEW_TOKENS, InvalidRequest, SamplingParams
 
 MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "spec": "off", "policy": "hybridspec", "max_verify_len": 16,
-                  "draft_model": None}
+                  "draft_model": None, "expert_parallel": 1}
 
 
 def _add_model_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -30,6 +31,15 @@ def _add_model_options(p: argparse.ArgumentParser, defaults: bool = True) -> Non
     p.add_argument("--max-verify-len", type=int, default=d["max_verify_len"],
                    help="longest verification, 1..16 (default 16)")
     p.add_argument("--draft-model", default=d["draft_model"], help="draft model directory (with --spec draft)")
+    p.add_argument("--expert-parallel", type=int, default=d["expert_parallel"], metavar="N",
+                   help="shard the experts over N workers, one per GPU (N > 1 needs --executor ray; default 1)")
+
+
+def _check_expert_parallel(n: int, executor: str) -> None:
+    if n < 1:
+        raise ValueError(f"--expert-parallel must be an integer >= 1, got {n}")
+    if n > 1 and executor != "ray":
+        raise ValueError(f"--expert-parallel {n} needs --executor ray (with --executor {executor} only 1 is allowed)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -83,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="with --server: deadline of the call")
     _add_model_options(gen, defaults=False)
+    gen.add_argument("--executor", default=None, choices=["local", "ray"],
+                     help="without --server: where the worker runs (default local)")
     _add_sampling_options(gen)
     _add_serve_parser(sub)
     sub.add_parser("loadtest", add_help=False, help="load-test a server (loadtest/: `hybridspec loadtest --help`)")
@@ -98,7 +110,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)  # checked here too, so bad options fail before any model or connection
     if args.server is not None:
-        given = [f"--{k.replace('_', '-')}" for k in MODEL_DEFAULTS if getattr(args, k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in (*MODEL_DEFAULTS, "executor") if getattr(args, k) is not None]
         if given:
             raise ValueError(f"{', '.join(given)} cannot be used with --server (the server's own options apply)")
         from clients.cli import run_generate
@@ -111,7 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM  # heavy import (torch) only when needed
 
     model_options = {k: (MODEL_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in MODEL_DEFAULTS}
-    llm = LLM(model=args.model, **model_options)
+    _check_expert_parallel(model_options["expert_parallel"], args.executor or "local")
+    llm = LLM(model=args.model, executor=args.executor or "local", **model_options)
     out = sys.stdout
     out.write(args.prompt)
     last = None
@@ -135,16 +148,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _check_expert_parallel(args.expert_parallel, args.executor)
     if not 0 <= args.port <= 65535 or (args.metrics_port is not None and not 0 <= args.metrics_port <= 65535):
         raise ValueError("ports must be in 0..65535")
     limits = {k: getattr(args, k) for k in ("max_running", "num_pages", "max_step_tokens", "max_model_len")
               if getattr(args, k) is not None}
     # LLM checks the speculation options exactly as the Python API does, then builds the engine core.
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, spec=args.spec, policy=args.policy,
-              max_verify_len=args.max_verify_len, draft_model=args.draft_model, executor=args.executor, **limits)
+              max_verify_len=args.max_verify_len, draft_model=args.draft_model, executor=args.executor,
+              expert_parallel=args.expert_parallel, **limits)
     options = ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                            max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
-    what = f" ({args.model or 'embedded default model'}, executor {args.executor}, spec {args.spec})"
+    ep = f" x{args.expert_parallel} expert-parallel" if args.expert_parallel > 1 else ""
+    what = f" ({args.model or 'embedded default model'}, executor {args.executor}{ep}, spec {args.spec})"
     return run_event_loop(serve_until_signal(llm.engine, options, what))
 
 

@@ -43,6 +43,7 @@ class EngineConfig:
     draft_model: str | None = None
     replay_acceptance: float = 0.85
     cuda_graphs: bool = True  # capture plain decode steps in CUDA graphs (CUDA only)
+    expert_parallel: int = 1  # > 1 with executor "ray": experts sharded over this many workers
 
     def validate(self) -> "EngineConfig":
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -99,7 +100,7 @@ class EngineCore:
         self.executor = create_executor(config.executor, WorkerSpec(
             str(model_dir), config.dtype, config.device, num_pages, config.page_size, config.max_running,
             spec=config.spec, policy=config.policy, max_verify_len=config.max_verify_len, draft_model=config.draft_model,
-            replay_acceptance=config.replay_acceptance,
+            replay_acceptance=config.replay_acceptance, expert_parallel=config.expert_parallel,
             graph_pages_per_request=-(-self.max_model_len // config.page_size) if config.cuda_graphs else 0))
         self.live: dict[str, _Live] = {}
 

@@ -33,6 +33,7 @@ class WorkerSpec:
     replay_acceptance: float = 0.85  # spec "replay": probability that each proposed token is right
     seed: int = 0
     graph_pages_per_request: int = 0  # > 0 on CUDA: capture decode graphs for page tables this wide
+    expert_parallel: int = 1  # > 1 (executor "ray"): experts sharded over this many workers (engine/ep_executor.py)
 
 
 def build_runner(spec: WorkerSpec) -> ModelRunner:
@@ -113,6 +114,15 @@ EXECUTORS = ("local", "ray")
 
 
 def create_executor(kind: str, spec: WorkerSpec) -> Executor:
+    ep = spec.expert_parallel
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert_parallel must be an integer >= 1, got {ep!r}")
+    if ep > 1 and kind != "ray":
+        raise ValueError(f"expert_parallel > 1 needs executor 'ray' (got executor {kind!r}, expert_parallel {ep})")
+    if ep > 1:
+        from engine.ep_executor import ExpertParallelExecutor  # imports ray only when asked for
+
+        return ExpertParallelExecutor(spec)
     if kind == "local":
         return LocalExecutor(spec)
     if kind == "ray":

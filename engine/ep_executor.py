@@ -1,0 +1,175 @@
+"""ExpertParallelExecutor: `--executor ray --expert-parallel N`. N Ray actors (one GPU each, or one CPU each in
+tests) joined in one torch.distributed group (NCCL on GPUs, gloo on CPU; rendezvous on 127.0.0.1 at a free port
+the driver picks, so a deployment is one host). Routed experts are sharded across the ranks
+(workers/expert_parallel.py); attention/GDN layers run data-parallel: each request is assigned to one rank when
+it first appears (the rank with the fewest assigned requests) and stays there until released, with its KV pages,
+GDN slot, sampling and drafting state. Ray places the actors and carries only StepRequest/StepResult; the
+per-layer tensors go through the collectives.
+
+Every engine step calls every rank (an empty list included: an idle rank still takes part in each MoE layer's
+all-to-all) and waits for all; the step's StepResult is the union of the ranks', and its `step_ms` the slowest
+rank's (`last_rank_ms` keeps each rank's target forward time).
+
+Page and slot ids are the engine's global ones, so every rank allocates the full page and slot pools (memory
+cost: N copies of the KV/GDN pools; per-rank pools are not done).
+
+Failure: a gloo/NCCL group cannot lose a member. When any rank dies (or a step fails on one), every actor is
+killed, the call raises WorkerLost (the engine fails its running requests with UNAVAILABLE), and the next call
+builds a new group of N actors and serves again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from engine.executor import WorkerLost, WorkerSpec, build_runner
+from engine.ray_executor import DEFAULT_NUM_CPUS, _init_ray
+from scheduler.types import StepRequest, StepResult
+from workers.expert_parallel import ExpertParallelActor
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ExpertParallelExecutor:
+    def __init__(self, spec: WorkerSpec, *, address: str | None = None,
+                 placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 start_timeout_s: float = 300.0, group_timeout_s: float = 120.0):
+        self.world_size = int(spec.expert_parallel)
+        if self.world_size < 1:
+            raise ValueError(f"expert_parallel must be an integer >= 1, got {spec.expert_parallel!r}")
+        self._owns_ray = _init_ray(address, max(DEFAULT_NUM_CPUS, self.world_size))
+        self.on_gpu = spec.device.startswith("cuda")
+        # Ray gives each actor one GPU through CUDA_VISIBLE_DEVICES ("cuda" inside it); no CUDA graphs: the
+        # exchange reads its split sizes on the host
+        self.spec = dataclasses.replace(spec, device="cuda" if self.on_gpu else spec.device,
+                                        graph_pages_per_request=0)
+        self.placement = placement
+        self.start_timeout_s, self.group_timeout_s = start_timeout_s, group_timeout_s
+        self.actors: list[Any] = []
+        self.owner: dict[str, int] = {}  # request id -> rank
+        self.load = [0] * self.world_size  # requests assigned per rank
+        self.last_rank_ms: list[float] = [0.0] * self.world_size  # each rank's last target forward (ms)
+        self.groups_started = 0
+        self._lost = False
+        self._start()
+
+    # ---- the group ----------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        actor_cls = ray.remote(ExpertParallelActor).options(
+            max_restarts=0, max_task_retries=0, num_cpus=1, num_gpus=1 if self.on_gpu else 0)
+        factory = functools.partial(build_runner, self.spec)
+        self.actors = [actor_cls.remote(factory, rank, self.world_size, init_method, self.spec.device,
+                                        self.placement, self.group_timeout_s, None if self.on_gpu else 1)
+                       for rank in range(self.world_size)]
+        try:
+            ready = ray.get([a.ready.remote() for a in self.actors], timeout=self.start_timeout_s)
+        except (RayError, GetTimeoutError) as e:
+            self._teardown()
+            raise WorkerLost(f"could not start the expert-parallel group: {type(e).__name__}: {e}") from e
+        self.pids = [pid for _, pid in ready]
+        self.owner, self.load = {}, [0] * self.world_size
+        self.groups_started += 1
+        self._lost = False
+
+    def _teardown(self) -> None:
+        actors, self.actors = self.actors, []
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already gone
+                log.debug("ray.kill: %s", e)
+        self.owner, self.load = {}, [0] * self.world_size
+
+    def _lose(self, why: str, cause: BaseException | None = None) -> None:
+        self._teardown()
+        self._lost = True
+        raise WorkerLost(f"an expert-parallel rank failed ({why}); the group is rebuilt for the next requests") \
+            from cause
+
+    def _ensure(self) -> None:
+        if self._lost or not self.actors:
+            self._start()
+
+    def _gather(self, refs: list[Any]) -> list[Any]:
+        """Every rank's reply; the first failure (an actor died, or a step raised) tears the group down."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayError as e:
+                    text = str(e).strip()
+                    self._lose(text.splitlines()[0] if text else type(e).__name__, e)
+        return ray.get(refs)
+
+    # ---- the Executor interface ------------------------------------------------------------------------------
+    def _rank_of(self, request_id: str) -> int:
+        rank = self.owner.get(request_id)
+        if rank is None:
+            rank = min(range(self.world_size), key=lambda r: (self.load[r], r))
+            self.owner[request_id] = rank
+            self.load[rank] += 1
+        return rank
+
+    def execute(self, requests: list[StepRequest]) -> StepResult:
+        self._ensure()
+        per_rank: list[list[StepRequest]] = [[] for _ in range(self.world_size)]
+        for r in requests:
+            per_rank[self._rank_of(r.request_id)].append(r)
+        replies = self._gather([a.execute.remote(work) for a, work in zip(self.actors, per_rank)])
+        merged = StepResult()
+        for result, _ in replies:
+            merged.new_tokens.update(result.new_tokens)
+            merged.draft_tokens.update(result.draft_tokens)
+            merged.accepted_tokens.update(result.accepted_tokens)
+        merged.step_ms = max(result.step_ms for result, _ in replies)
+        self.last_rank_ms = [ms for _, ms in replies]
+        return merged
+
+    def release(self, request_ids: list[str]) -> None:
+        # fire and forget to the owning rank (an actor runs one caller's calls in order)
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self.owner.pop(rid, None)
+            if rank is not None:
+                self.load[rank] -= 1
+                by_rank.setdefault(rank, []).append(rid)
+        if self._lost or not self.actors:
+            return  # the group that held them is gone
+        for rank, ids in by_rank.items():
+            self.actors[rank].release.remote(ids)
+
+    def worker_pids(self) -> list[int]:
+        """Each rank's actor process id (new ones after a rebuild)."""
+        self._ensure()
+        return [pid for _, pid in self._gather([a.ready.remote() for a in self.actors])]
+
+    def expert_bytes(self) -> list[int]:
+        """Bytes of routed-expert weights held by each rank."""
+        self._ensure()
+        return self._gather([a.expert_bytes.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        if not self.actors and getattr(self, "_shut", False):
+            return
+        self._shut = True
+        self._teardown()
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False

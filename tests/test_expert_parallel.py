@@ -1,0 +1,288 @@
+"""Expert parallelism (issue 10), on CPU with gloo over loopback.
+
+- the exchange: 2 spawned gloo ranks (no Ray) give the single-process SparseMoe output for the union of their
+  tokens: uneven token counts, a rank with no tokens, masked tokens (explicit mask and the router correction,
+  which counts the experts activated on every rank), an uneven expert placement;
+- the engine: 2 Ray actors (`executor="ray", expert_parallel=2`) give the local executor's greedy tokens for
+  concurrent requests, with speculation off and with ngram drafts; killing one actor fails the in-flight requests
+  with UNAVAILABLE, the group is rebuilt and the next request gets the right tokens;
+- the CLI's --expert-parallel validation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+import torch
+import torch.multiprocessing as mp
+from serving import eventually, free_port, one_torch_thread, run, serving  # noqa: F401  (fixture)
+
+# ------------------------------------------------------------------------------------------- the exchange
+TOKENS = {  # case -> tokens per rank
+    "uneven": (5, 2),
+    "rank1_empty": (6, 0),
+    "rank0_empty": (0, 3),
+    "masked": (7, 4),
+    "correction": (5, 5),
+    "placement": (4, 5),
+}
+PLACEMENT = [0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1]  # 10 experts on rank 0, 6 on rank 1
+
+
+def _moe_config():
+    from engine.default_model import DEFAULT_CONFIG
+    from workers.config import ModelConfig
+
+    return ModelConfig.from_dict(DEFAULT_CONFIG)  # 16 experts, top-4, hidden 128
+
+
+def _fresh_moe(state):
+    from workers.model import SparseMoe
+
+    moe = SparseMoe(_moe_config(), torch.float32, "cpu")
+    moe.load_state_dict(state)
+    return moe
+
+
+def _ep_rank(rank: int, world: int, port: int, path: str) -> None:
+    """One spawned rank: every case through the exchange; its outputs saved next to the inputs."""
+    torch.set_num_threads(1)
+    from workers.expert_parallel import ExpertShard, init_group, shard_moe_
+    from workers.model import MoEContext
+
+    init_group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
+    data = torch.load(path)
+    out = {}
+    for name, case in data["cases"].items():
+        moe = _fresh_moe(data["state"])
+        owner = PLACEMENT if name == "placement" else None
+        shard = ExpertShard(owner, rank, world) if owner else ExpertShard.even(16, world, rank)
+        shard_moe_(moe, shard, first=True)
+        assert moe.experts.gate_up_proj.shape[0] == len(shard.local_experts)
+        x = case["x"][rank]
+        with torch.inference_mode():
+            if name == "masked":
+                weights, ids = moe.route(x)
+                out[name] = (moe.ep.exchange(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids,
+                                             case["mask"][rank]), None)
+            else:
+                ctx = MoEContext(extra_rows=case["extra"][rank]) if name == "correction" else None
+                y = moe(x, ctx)
+                out[name] = (y, ctx.token_mask if ctx is not None else None)
+    torch.save(out, f"{path}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_exchange_over_two_gloo_ranks_equals_one_process(tmp_path):
+    from kernels.moe import fused_moe_ref, router_correction_ref
+    from workers.model import MoEContext, SparseMoe
+    from workers.random_init import init_random_  # noqa: F401  (the same scales as the default model)
+
+    torch.manual_seed(0)
+    cfg = _moe_config()
+    ref = SparseMoe(cfg, torch.float32, "cpu")
+    for name, p in ref.named_parameters():
+        p.data.copy_(torch.randn(p.shape) / (p.shape[-1] ** 0.5) if p.dim() > 1 else 0.1 * torch.randn(p.shape))
+    state = ref.state_dict()
+    cases = {}
+    for name, (n0, n1) in TOKENS.items():
+        xs = [torch.randn(n0, cfg.hidden_size), torch.randn(n1, cfg.hidden_size)]
+        case = {"x": xs}
+        if name == "masked":
+            case["mask"] = [torch.rand(n0) < 0.6, torch.rand(n1) < 0.6]
+        if name == "correction":
+            case["extra"] = [torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool),
+                             torch.tensor([0, 1, 1, 0, 1], dtype=torch.bool)]
+        cases[name] = case
+    path = str(tmp_path / "case.pt")
+    torch.save({"state": state, "cases": cases}, path)
+    mp.spawn(_ep_rank, args=(2, free_port(), path), nprocs=2, join=True)
+    got = [torch.load(f"{path}.{r}") for r in range(2)]
+
+    with torch.inference_mode():
+        for name, case in cases.items():
+            x = torch.cat(case["x"])
+            n0 = case["x"][0].shape[0]
+            if name == "masked":
+                mask = torch.cat(case["mask"])
+                weights, ids = ref.route(x)
+                want = fused_moe_ref(x, ref.experts.gate_up_proj, ref.experts.down_proj, weights, ids, mask)
+                assert not mask.all() and mask.any()
+            else:
+                ctx = MoEContext(extra_rows=torch.cat(case["extra"])) if name == "correction" else None
+                want = ref(x, ctx)
+                if ctx is not None:  # the correction saw the experts of both ranks' tokens
+                    assert not ctx.token_mask.all(), "pick a case where some extra token is masked"
+                    assert ctx.token_mask[torch.cat(case["extra"])].any(), "and one where some is kept"
+                    assert torch.equal(torch.cat([got[0][name][1], got[1][name][1]]), ctx.token_mask), name
+                    local = [router_correction_ref(ref.route(xr)[1], er, 16)
+                             for xr, er in zip(case["x"], case["extra"])]
+                    assert not torch.equal(torch.cat(local), ctx.token_mask), "a case where the other rank matters"
+            y = torch.cat([got[0][name][0], got[1][name][0]])
+            assert y.shape == want.shape, name
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=name)
+            assert n0 == got[0][name][0].shape[0]
+
+
+def test_placement_helpers():
+    from workers.expert_parallel import ExpertShard, popularity_placement
+
+    even = ExpertShard.even(10, 3, 1)
+    assert even.local_experts == [4, 5, 6] and even.num_local == [4, 3, 3]
+    owner = popularity_placement([100, 90, 5, 4, 3, 2], 2)
+    assert sorted(owner) == [0, 0, 0, 1, 1, 1]  # same number of experts each
+    assert owner[0] != owner[1]  # the two popular ones apart
+    with pytest.raises(ValueError, match="ranks outside"):
+        ExpertShard([0, 2], 0, 2)
+
+
+# ------------------------------------------------------------------------------------------- the engine
+ray = pytest.importorskip("ray")
+
+LIMITS = {"max_model_len": 512, "max_running": 8, "max_step_tokens": 256}
+PROMPTS = ["def fibonacci(n):", "hello world " * 5, "é日本", "x" * 90, "a", "The quick brown fox"]
+MAX_NEW = [12, 20, 7, 16, 25, 9]
+
+
+def _params():
+    from engine import SamplingParams
+
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+
+
+@pytest.fixture(scope="module")
+def local(one_torch_thread):
+    from engine import LLM
+
+    return LLM(**LIMITS)
+
+
+@pytest.fixture(scope="module")
+def on_ep(one_torch_thread):
+    from engine import LLM
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    llm = LLM(executor="ray", expert_parallel=2, spec="ngram", policy="hybridspec", **LIMITS)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_two_ranks_give_the_single_worker_tokens_with_and_without_speculation(local, on_ep):
+    from engine.ep_executor import ExpertParallelExecutor
+
+    executor = on_ep.engine.executor
+    assert isinstance(executor, ExpertParallelExecutor) and executor.world_size == 2
+    held = executor.expert_bytes()
+    assert len(held) == 2 and held[0] == held[1] > 0  # even split: each rank holds half of the experts
+    expected = [r.token_ids for r in local.generate(PROMPTS, _params())]
+
+    got = on_ep.generate(PROMPTS, _params())  # ngram drafts + hybridspec (extra token, router correction)
+    assert [r.token_ids for r in got] == expected
+    assert sum(r.stats.draft_tokens for r in got) > 0, "ngram should have proposed drafts"
+    assert len(executor.last_rank_ms) == 2
+
+    # speculation off on the same group (no draft caps: plain one-token decoding on both ranks)
+    on_ep.engine.scheduler.max_draft = 0
+    try:
+        got = on_ep.generate(PROMPTS, _params())
+    finally:
+        on_ep.engine.scheduler.max_draft = on_ep.max_verify_len
+    assert [r.token_ids for r in got] == expected
+    assert sum(r.stats.draft_tokens for r in got) == 0
+
+
+def test_killed_rank_fails_in_flight_with_unavailable_and_the_rebuilt_group_serves(local, on_ep):
+    executor = on_ep.engine.executor
+    expected = local.generate("after", _params()[0])[0].token_ids
+
+    async def stream(client, prompt: str):
+        try:
+            async for chunk in client.generate(prompt, max_new_tokens=400, ignore_eos=True):
+                if chunk.finished:
+                    return chunk.finish_reason or ""
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return "no final chunk"
+
+    async def main() -> None:
+        from clients.client import GenerationClient
+
+        async with serving(on_ep.engine) as (_, target), GenerationClient(target) as client:
+            tasks = [asyncio.create_task(stream(client, f"doomed {i}")) for i in range(3)]
+
+            async def all_running() -> bool:
+                return (await client.stats()).running_requests == 3
+            await eventually(all_running, 30.0, "three requests running")
+            started = executor.groups_started
+            old = await asyncio.to_thread(executor.worker_pids)
+            os.kill(old[1], signal.SIGKILL)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60.0)
+            assert outcomes == [grpc.StatusCode.UNAVAILABLE] * 3, outcomes
+
+            after = await asyncio.wait_for(client.complete("after", max_new_tokens=12, ignore_eos=True), 120.0)
+            assert after.token_ids == expected
+            assert executor.groups_started == started + 1
+            new = await asyncio.to_thread(executor.worker_pids)
+            assert not set(new) & set(old)
+            stats = await client.stats()
+            assert stats.free_pages == stats.total_pages and stats.free_slots == stats.total_slots
+
+    run(main(), timeout=180.0)
+
+
+# ------------------------------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--expert-parallel", "0"], "--expert-parallel must be an integer >= 1"),
+    (["serve", "--expert-parallel", "2"], "--expert-parallel 2 needs --executor ray"),
+    (["generate", "hi", "--expert-parallel", "-1", "--executor", "ray"], "--expert-parallel must be an integer >= 1"),
+    (["generate", "hi", "--expert-parallel", "2"], "--expert-parallel 2 needs --executor ray"),
+    (["generate", "hi", "--server", "127.0.0.1:1", "--expert-parallel", "2"], "cannot be used with --server"),
+])
+def test_cli_validates_expert_parallel(argv, message, capsys):
+    from engine.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_api_validates_expert_parallel():
+    from engine.executor import WorkerSpec, create_executor
+
+    spec = WorkerSpec("unused", "float32", "cpu", 4, 16, 2, expert_parallel=2)
+    with pytest.raises(ValueError, match="expert_parallel > 1 needs executor 'ray'"):
+        create_executor("local", spec)
+    with pytest.raises(ValueError, match="expert_parallel must be an integer >= 1"):
+        create_executor("ray", WorkerSpec("unused", "float32", "cpu", 4, 16, 2, expert_parallel=0))
+
+
+def test_cli_rejects_a_non_integer(capsys):
+    from engine.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--expert-parallel", "two"])
+    assert "--expert-parallel" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- the bench
+def test_bench_tiny_runs_on_cpu_with_gloo(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "ep.py"), "--tiny", "--concurrency", "3",
+                           "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "ep.json").read_text())
+    rows = {(r["world"], r["policy"]): r for r in report["rows"]}
+    assert set(rows) == {(1, "ar"), (1, "hybridspec"), (2, "ar"), (2, "hybridspec")}
+    assert report["meta"]["ar_greedy_match_ep_vs_single"] == {"3": 1.0}
+    assert rows[(2, "hybridspec")]["greedy_match_vs_ar"] == 1.0 and rows[(2, "hybridspec")]["draft_tokens"] > 0
+    assert 0.0 < rows[(2, "ar")]["comm_share"] < 1.0 and rows[(1, "ar")]["comm_share"] == 0.0
+    assert "| policy | conc |" in proc.stdout
