@@ -353,3 +353,27 @@ def test_device_plan_with_experts_and_calibration_equal_host():
     got = calibrate_device(conf, torch.tensor(cal.table("d"), dtype=torch.float64))
     want = [cal.calibrate_row("d", row) for row in conf.tolist()]
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_padded_device_planner_equals_the_unpadded_plan():
+    """The worker's DevicePlanner pads B to a bucket and K to max_verify_len + 1 (so one captured CUDA graph
+    serves many steps); padding requests (no drafts, no tokens, no gain) must not change any real length."""
+    from workers.policy import DevicePlanner
+
+    est = world_estimator()
+    rng = random.Random(11)
+    table = torch.tensor(est.touch_prob_table(), dtype=torch.float64)
+    planner = DevicePlanner(torch.device("cpu"), max_drafts=9)
+    checked = 0
+    for n, (survival, _) in enumerate(list(world_batches(rng))[:12]):
+        survival = survival[:max(1, len(survival) - n % 3)]  # odd sizes too: 3, 5, 7 are padded
+        b = len(survival)
+        caps = [rng.randint(0, len(row)) for row in survival]
+        tokens = [rng.randint(1, 3) for _ in range(b)]
+        fixed = WORLD.const_ms + WORLD.ms_per_token * sum(tokens)
+        want = plan_with_experts_device(torch.tensor(survival, dtype=torch.float64), torch.tensor(caps), fixed,
+                                        WORLD.ms_per_token, WORLD.ms_per_expert, table, torch.tensor(tokens))
+        got = planner.plan(survival, caps, tokens, fixed, WORLD.ms_per_token, WORLD.ms_per_expert, table)
+        assert got == want.tolist()
+        checked += b not in (1, 2, 4, 8, 16)  # a batch that really was padded
+    assert checked > 0

@@ -23,6 +23,77 @@ from scheduler.planner_torch import plan_with_experts_device
 from workers.config import ModelConfig
 
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
+PLAN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class DevicePlanner:
+    """plan_with_experts_device over a padded batch: B rounded up to a bucket and K to max_verify_len, padding
+    requests with no drafts, no tokens and no gain (so the plan of the real ones is unchanged). On CUDA each
+    bucket is captured once in a CUDA graph: the planner is ~1500 small tensor ops, which cost ~8 ms of launches
+    per step eagerly on the H200 (bench/NOTES.md) and one replay in a graph. Elsewhere (and if a capture fails)
+    the same padded call runs eagerly."""
+
+    def __init__(self, device: torch.device, max_drafts: int):
+        self.device, self.k = device, max_drafts
+        self.capture = device.type == "cuda"
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+
+    def _inputs(self, b: int, layers_experts: tuple[int, int]) -> dict[str, torch.Tensor]:
+        f64, dev = torch.float64, self.device
+        return {"survival": torch.zeros(b, self.k, dtype=f64, device=dev),
+                "caps": torch.zeros(b, dtype=torch.long, device=dev),
+                "tokens": torch.zeros(b, dtype=torch.long, device=dev),
+                "touch": torch.zeros(*layers_experts, dtype=f64, device=dev),
+                "fixed": torch.zeros((), dtype=f64, device=dev), "tok": torch.zeros((), dtype=f64, device=dev),
+                "ex": torch.zeros((), dtype=f64, device=dev), "gain": torch.zeros((), dtype=f64, device=dev)}
+
+    @staticmethod
+    def _run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return plan_with_experts_device(x["survival"], x["caps"], x["fixed"], x["tok"], x["ex"], x["touch"],
+                                        x["tokens"], base_gain=x["gain"])
+
+    def plan(self, survival: list[list[float]], caps: list[int], tokens: list[int], fixed_ms: float,
+             ms_per_token: float, ms_per_expert: float, touch: torch.Tensor) -> list[int]:
+        n = len(survival)
+        b = next((x for x in PLAN_BUCKETS if x >= n), n)
+        entry = self.graphs.get(b)
+        x = entry[1] if entry is not None else self._inputs(b, tuple(touch.shape))
+        surv = torch.zeros(b, self.k, dtype=torch.float64)
+        for i, row in enumerate(survival):
+            surv[i, :min(len(row), self.k)] = torch.tensor(row[:self.k], dtype=torch.float64)
+        x["survival"].copy_(surv, non_blocking=True)
+        x["caps"].copy_(torch.tensor([min(c, self.k) for c in caps] + [0] * (b - n)), non_blocking=True)
+        x["tokens"].copy_(torch.tensor(tokens + [0] * (b - n)), non_blocking=True)
+        x["touch"].copy_(touch, non_blocking=True)
+        for name, v in (("fixed", fixed_ms), ("tok", ms_per_token), ("ex", ms_per_expert), ("gain", float(n))):
+            x[name].fill_(v)
+        if entry is None and self.capture:
+            entry = self._capture(b, x)
+        out = entry[0] if entry is not None else None
+        if out is None:
+            lengths = self._run(x)
+        else:
+            entry[2].replay()
+            lengths = out
+        return [int(v) for v in lengths[:n].tolist()]
+
+    def _capture(self, b: int, x: dict[str, torch.Tensor]) -> tuple | None:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._run(x)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._run(x)
+            self.pool = graph.pool()
+        except Exception:  # noqa: BLE001 - the eager call computes the same plan
+            self.capture = False
+            return None
+        self.graphs[b] = (out, x, graph)
+        return self.graphs[b]
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
 
 
@@ -42,6 +113,7 @@ class LengthPolicy:
             raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         self.name, self.max_verify_len = name, max_verify_len
         self.device = torch.device(device)  # where the joint planner's tensors live (the model's device)
+        self.planner = DevicePlanner(self.device, max_verify_len + 1)  # + the router correction's extra token
         self.num_moe_layers = sum(config.moe_layers)
         self.estimator = ExpertEstimator(max(self.num_moe_layers, 1), max(config.num_experts, 1),
                                          max(config.num_experts_per_tok, 1))
@@ -81,17 +153,12 @@ class LengthPolicy:
         width = max((len(r) for r in survival), default=0)
         if width == 0:
             return [0] * len(caps)
-        surv = torch.zeros(len(survival), width, dtype=torch.float64)
-        for i, row in enumerate(survival):
-            surv[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
         if self._touch is None:  # [MoE layers, E]: the planner's work is B x K x layers x E, so on the device
             self._touch = torch.tensor(self.estimator.touch_prob_table(), dtype=torch.float64, device=self.device)
         fixed_ms = (coefs.const_ms + coefs.ms_per_token * sum(tokens) + coefs.ms_per_request * len(tokens)
                     + coefs.ms_per_context_token * sum(contexts))
-        lengths = plan_with_experts_device(surv.to(self.device), torch.tensor(caps, device=self.device), fixed_ms,
-                                           coefs.ms_per_token, coefs.ms_per_expert, self._touch,
-                                           torch.tensor(tokens, device=self.device))
-        return [int(x) for x in lengths.tolist()]
+        return self.planner.plan(survival, caps, tokens, fixed_ms, coefs.ms_per_token, coefs.ms_per_expert,
+                                 self._touch)
 
     def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         self.steps += 1
