@@ -84,13 +84,7 @@ def build_bench_model(num_layers: int = 40, routing: str = "zipf", dtype: torch.
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     cfg = config or qwen36_35b_a3b_config(num_layers)
-    model = init_random_(HybridModel(cfg, dtype, device), seed)
-    for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.mlp, SparseMoe) and routing == "zipf":
-            layer.mlp.router_bias = zipf_router_bias(cfg.num_experts, seed + i, device).to(torch.float32)
-    if decisive:
-        make_logits_decisive_(model, seed)
-    return model
+    return fill_bench_weights_(HybridModel(cfg, dtype, device), routing, seed, decisive)
 
 
 @torch.no_grad()

@@ -149,7 +149,12 @@ def _plan(model, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[in
 def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder") -> None:
     """Fills every parameter of `model` from the checkpoint in `model_dir` (converting dtype and layout).
 
-    scope "decoder": the model's own tensors (mtp.* skipped); "mtp": only the multi-token-prediction head's."""
+    scope "decoder": the model's own tensors (mtp.* skipped); "mtp": only the multi-token-prediction head's.
+    A directory with `random_weights.json` (and no safetensors) is a random-weights model: the model is filled
+    with the bench model's weights that file names (load_random_weights)."""
+    if (Path(model_dir) / RANDOM_WEIGHTS_FILE).is_file():
+        load_random_weights(model, model_dir, scope)
+        return
     ck = Checkpoint(model_dir)
     sources, expected = _plan(model, ck)
     present = ck.names()
@@ -176,6 +181,42 @@ def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decode
     with torch.no_grad():
         for name, read in sources.items():
             params[name].copy_(read(ck).to(params[name].dtype))
+
+
+RANDOM_WEIGHTS_FILE = "random_weights.json"
+RANDOM_WEIGHTS_KINDS = ("bench",)
+
+
+def read_random_weights_spec(model_dir: str | Path) -> dict:
+    """The marker of a random-weights model directory: {"kind": "bench", "routing": "zipf"|"uniform",
+    "seed": int, "decisive": bool} (bench/bench_model_dir.py writes it)."""
+    path = Path(model_dir) / RANDOM_WEIGHTS_FILE
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot read the random-weights marker: {e}") from e
+    if not isinstance(spec, dict) or spec.get("kind") not in RANDOM_WEIGHTS_KINDS:
+        raise WeightsError(f"{path}: \"kind\" must be one of {RANDOM_WEIGHTS_KINDS}, got {spec!r}")
+    seed = spec.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise WeightsError(f"{path}: \"seed\" must be an integer, got {seed!r}")
+    return {"kind": spec["kind"], "routing": spec.get("routing", "zipf"), "seed": seed,
+            "decisive": bool(spec.get("decisive", False))}
+
+
+def load_random_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder") -> None:
+    """Fills `model` in place with the bench model's random weights (workers/bench_model.fill_bench_weights_),
+    made on the model's device: a 40-layer Qwen3.6-35B-A3B-shaped model is ~70 GB, never written to disk."""
+    if scope == "mtp":
+        raise WeightsError(f"random-weights model {model_dir} has no multi-token-prediction head "
+                           "(use spec 'ngram' or 'replay' with it)")
+    spec = read_random_weights_spec(model_dir)
+    from workers.bench_model import ROUTINGS, fill_bench_weights_
+
+    if spec["routing"] not in ROUTINGS:
+        raise WeightsError(f"{Path(model_dir) / RANDOM_WEIGHTS_FILE}: \"routing\" must be one of {ROUTINGS}, "
+                           f"got {spec['routing']!r}")
+    fill_bench_weights_(model, routing=spec["routing"], seed=spec["seed"], decisive=spec["decisive"])
 
 
 def save_weights(model: HybridModel, model_dir: str | Path) -> None:
