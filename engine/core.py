@@ -42,7 +42,7 @@ class EngineConfig:
     max_verify_len: int = 16  # most drafted tokens one request verifies in a step
     draft_model: str | None = None
     replay_acceptance: float = 0.85
-    cuda_graphs: bool = True  # capture plain decode steps in CUDA graphs (CUDA only)
+    cuda_graphs: bool = True  # decode and verification steps in CUDA graphs (CUDA only; captured per bucket)
     expert_parallel: int = 1  # > 1 with executor "ray": experts sharded over this many workers
 
     def validate(self) -> "EngineConfig":

@@ -41,16 +41,16 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
     runner = ModelRunner.create(ModelConfig.from_dir(spec.model_dir), Path(spec.model_dir), dtype, spec.device,
                                 spec.num_pages, spec.page_size, spec.num_slots)
     runner.set_policy(spec.policy, spec.max_verify_len)
-    if spec.graph_pages_per_request > 0 and runner.device.type == "cuda":
-        why = runner.enable_graphs(spec.num_slots, spec.graph_pages_per_request)
-        if why is not None:
-            log.warning("decode steps stay eager: %s", why)
     if spec.spec == "mtp":
         from workers.mtp import MTPDrafter
 
         runner.drafter = MTPDrafter(runner.model, spec.model_dir, spec.num_pages, spec.page_size, spec.num_slots)
     else:
         runner.drafter = build_drafter(spec, runner.model.config.vocab_size, dtype)
+    if spec.graph_pages_per_request > 0 and runner.device.type == "cuda":  # after the drafter: graphs depend on it
+        why = runner.enable_graphs(spec.num_slots, spec.graph_pages_per_request)
+        if why is not None:
+            log.warning("steps stay eager: %s", why)
     return runner
 
 
