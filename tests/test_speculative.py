@@ -253,7 +253,11 @@ def with_static_graphs(llm: LLM) -> LLM:
     as on CPU there is nothing to capture): the same buckets, padding rows and masks as on the GPU."""
     engine = llm.engine
     width = -(-engine.max_model_len // engine.config.page_size)
-    assert engine.executor.runner.enable_graphs(engine.config.max_running, width, capture=False) is None
+    runner = engine.executor.runner
+    assert runner.enable_graphs(engine.config.max_running, width, capture=False) is None
+    if hasattr(runner.drafter, "enable_graphs"):  # the draft model's steps too
+        runner.drafter.enable_graphs(engine.config.max_running, width, engine.config.max_verify_len + 1,
+                                     capture=False)
     return llm
 
 
@@ -276,6 +280,7 @@ def test_graph_path_rolls_back_the_draft_model_on_plain_steps(reference):
     assert calls["n"] > 2
     assert all(s.accepted_tokens == s.draft_tokens for s in stats)  # draft = target: nothing ever rejected
     assert runner.step_graphs().graphs  # the graph path really ran
+    assert runner.drafter.graphs.graphs  # and the draft model's
 
 
 @pytest.mark.parametrize("policy, acceptance", [("fixed", 0.6), ("hybridspec", 0.7)])
@@ -290,3 +295,12 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance):
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
     graphs = llm.engine.executor.runner.step_graphs()
     assert {k.max_block for k in graphs.graphs} == {1, 7}  # plain decode and verification buckets both ran
+
+
+def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, perturbed_dir):
+    """Drafting steps and the draft model's rollback replays also go through (its own) graph buckets."""
+    llm = with_static_graphs(LLM(spec="draft", policy="fixed", max_verify_len=4, draft_model=str(perturbed_dir)))
+    tokens, stats = run(llm)
+    assert tokens == reference
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
+    assert len(llm.engine.executor.runner.drafter.graphs.graphs) > 1

@@ -178,9 +178,18 @@ class DraftModelDrafter(Drafter):
         self.drafted: dict[str, list[int]] = {}
 
     def _forward(self, blocks: list[list[int]], contexts: list[int], requests: list[DraftRequest]) -> Tensor:
+        """[B, V] logits at each block's last token; every request's state advances."""
+        if self.graphs is not None:
+            lens = [len(b) for b in blocks]
+            key = self.graphs.bucket(len(blocks), sum(lens), max(lens), max(len(r.pages) for r in requests))
+            if key is not None:
+                out = self.graphs.run(key, blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
+                                      [True] * len(blocks), [])
+                last = torch.tensor(lens, device=out.logits.device).cumsum(0) - 1
+                return out.logits.index_select(0, last)
         batch = ForwardBatch.build(blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
                                    self.model.device)
-        return self.model(batch, self.cache)  # [B, V] at each block's last token; state advances
+        return self.model(batch, self.cache)
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens = {r.request_id: [] for r in requests}
@@ -259,7 +268,8 @@ class DraftModelDrafter(Drafter):
         self.model(batch, self.cache, write=False, scratch=StepScratch({}))
 
     def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
-        """CUDA graphs for spend_forward (the replay drafter's cost), captured per bucket on first use."""
+        """CUDA graphs for drafting steps, rollback replays and spend_forward (the replay drafter's cost),
+        captured per bucket on first use (`capture=False`: the same padded batches eagerly, for tests)."""
         from workers.graphs import StepGraphs
 
         self.graphs = StepGraphs(self.model, self.cache, max_block=max_block, spare_page=self.cache.num_pages - 1,
