@@ -44,6 +44,8 @@ class EngineConfig:
     replay_acceptance: float = 0.85
     cuda_graphs: bool = True  # decode and verification steps in CUDA graphs (CUDA only; captured per bucket)
     expert_parallel: int = 1  # > 1 with executor "ray": experts sharded over this many workers
+    # start-up profile of the latency model (ModelRunner.profile) for the learned policies; None = on CUDA only
+    startup_profile: bool | None = None
 
     def validate(self) -> "EngineConfig":
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -101,6 +103,9 @@ class EngineCore:
             str(model_dir), config.dtype, config.device, num_pages, config.page_size, config.max_running,
             spec=config.spec, policy=config.policy, max_verify_len=config.max_verify_len, draft_model=config.draft_model,
             replay_acceptance=config.replay_acceptance, expert_parallel=config.expert_parallel,
+            startup_profile=(config.startup_profile if config.startup_profile is not None
+                             else config.device.startswith("cuda"))
+            and speculating and config.policy in ("budget", "hybridspec"),
             graph_pages_per_request=-(-self.max_model_len // config.page_size) if config.cuda_graphs else 0))
         self.live: dict[str, _Live] = {}
 

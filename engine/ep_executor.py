@@ -54,9 +54,10 @@ class ExpertParallelExecutor:
         self._owns_ray = _init_ray(address, max(DEFAULT_NUM_CPUS, self.world_size))
         self.on_gpu = spec.device.startswith("cuda")
         # Ray gives each actor one GPU through CUDA_VISIBLE_DEVICES ("cuda" inside it); no CUDA graphs: the
-        # exchange reads its split sizes on the host
+        # exchange reads its split sizes on the host; no start-up profile (it would run the exchange outside the
+        # lockstep of engine steps): the learned policies explore for their first steps instead
         self.spec = dataclasses.replace(spec, device="cuda" if self.on_gpu else spec.device,
-                                        graph_pages_per_request=0)
+                                        graph_pages_per_request=0, startup_profile=False)
         self.placement = placement
         self.start_timeout_s, self.group_timeout_s = start_timeout_s, group_timeout_s
         self.actors: list[Any] = []

@@ -34,6 +34,7 @@ class WorkerSpec:
     seed: int = 0
     graph_pages_per_request: int = 0  # > 0 on CUDA: capture decode graphs for page tables this wide
     expert_parallel: int = 1  # > 1 (executor "ray"): experts sharded over this many workers (engine/ep_executor.py)
+    startup_profile: bool = False  # fit the latency model on synthetic steps before serving (ModelRunner.profile)
 
 
 def build_runner(spec: WorkerSpec) -> ModelRunner:
@@ -56,6 +57,9 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
         elif isinstance(runner.drafter, ReplayDrafter) and runner.drafter.cost_model is not None:
             runner.drafter.cost_model.enable_graphs(spec.num_slots, spec.graph_pages_per_request,
                                                     spec.max_verify_len + 1)
+    if spec.startup_profile:
+        fitted = runner.profile(spec.num_slots)
+        log.info("start-up profile: %s", fitted)
     return runner
 
 

@@ -304,3 +304,20 @@ def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, pe
     assert tokens == reference
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
     assert len(llm.engine.executor.runner.drafter.graphs.graphs) > 1
+
+
+def test_startup_profile_fits_the_latency_model_before_serving_and_stays_lossless(reference):
+    """The learned policies plan from the first step after a start-up profile of synthetic steps on the spare
+    page/slot (no exploration with fixed lengths), and no request's state is touched by it."""
+    llm = LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.7, startup_profile=True,
+              max_running=9)
+    policy = llm.engine.executor.runner.policy
+    assert policy.profiled and policy.latency.fitted and policy.steps == 0 and policy.warm()
+    profiled_samples = len(policy.latency.samples)
+    assert profiled_samples >= policy.latency.min_samples
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    tokens, stats = run(llm)
+    assert tokens == reference
+    assert sum(s.draft_tokens for s in stats) > 0
+    assert len(policy.latency.samples) > profiled_samples  # refined online from the real steps

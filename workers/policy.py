@@ -121,6 +121,7 @@ class LengthPolicy:
         self.token_costs = TokenCostTable()
         self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16))
         self.steps = 0
+        self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
         self._pending_counts: list[torch.Tensor] | None = None
         self._touch: torch.Tensor | None = None  # [MoE layers, E] touch probabilities for the device planner
 
@@ -129,7 +130,25 @@ class LengthPolicy:
         return self.name == "hybridspec"
 
     def warm(self) -> bool:
-        return self.steps >= WARMUP_STEPS and self.latency.fitted
+        return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
+
+    def observe_profile(self, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
+        """One synthetic step of the start-up profile (ModelRunner.profile): latency model, token costs and
+        routing statistics learn from it; calibration does not (no drafts were verified)."""
+        comp = StepComposition(obs.tokens_per_request, obs.context_lens, self.num_moe_layers,
+                               obs.distinct_experts if self.num_moe_layers and obs.distinct_experts else None)
+        self.latency.observe(comp, obs.forward_ms)
+        self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
+        if expert_counts:
+            self.estimator.observe_counts(torch.stack(expert_counts).float().cpu().tolist())
+            self._touch = None
+
+    def finish_profile(self) -> bool:
+        """Fits the latency model on the profile; from then on the learned policies plan without exploring."""
+        if len(self.latency.samples) >= self.latency.min_samples:
+            self.latency.fit()
+        self.profiled = self.latency.fitted
+        return self.profiled
 
     def lengths(self, drafter: str, caps: list[int], confidences: list[list[float]], tokens: list[int],
                 contexts: list[int]) -> list[int]:

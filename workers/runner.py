@@ -114,6 +114,47 @@ class ModelRunner:
                 return_hidden=hidden, extra_token=flags[2], collect_counts=flags[3], capture=self._graph_capture)
         return self._graphs[flags]
 
+    def profile(self, max_batch: int, repeats: int = 2, seed: int = 0) -> dict:
+        """Start-up profile: times synthetic verification steps of several shapes (requests x block length, on
+        the spare page and slot: no request's state is touched) and fits the policy's latency model, token-cost
+        table and routing statistics from them, so the learned policies plan from the first real step (and the
+        graphs of those buckets are captured now, not while serving). Returns what was fitted."""
+        spare_page, spare_slot = self.cache.num_pages - 1, self.cache.num_slots - 1
+        page_size = self.cache.page_size
+        block = self.policy.max_verify_len + 1
+        sizes = sorted({1, max(1, max_batch // 4), max_batch})
+        lengths = sorted({1, max(2, block // 4), block})
+        gen = torch.Generator().manual_seed(seed)
+        graphs = self.step_graphs()
+        samples = 0
+        for b in sizes:
+            for t in lengths:
+                blocks = [torch.randint(0, self.model.config.vocab_size, (t,), generator=gen).tolist()
+                          for _ in range(b)]
+                context = [page_size // 2] * b
+                pages = [[spare_page] * (-(-(page_size // 2 + t) // page_size))] * b
+                for rep in range(repeats + 1):  # the first run compiles / captures
+                    moe = MoEContext(collect_counts=True)
+                    timer = _ForwardTimer(self.device)
+                    key = graphs.bucket(b, b * t, t, len(pages[0])) if graphs is not None else None
+                    if key is not None:
+                        out = graphs.run(key, blocks, context, pages, [spare_slot] * b, [False] * b, [])
+                        moe = out.moe
+                    else:
+                        batch = ForwardBatch.build(blocks, context, pages, [spare_slot] * b, self.device)
+                        self.model(batch, self.cache, torch.arange(b * t, device=self.device), write=False,
+                                   scratch=StepScratch({}), moe=moe)
+                    timer.stop()
+                    if rep == 0:
+                        continue
+                    distinct = [int(x) for x in torch.stack(moe.distinct_experts).tolist()] \
+                        if moe.distinct_experts else None
+                    self.policy.observe_profile(StepObservation([t] * b, context, timer.elapsed_ms(), distinct),
+                                                moe.expert_counts or None)
+                    samples += 1
+        fitted = self.policy.finish_profile()
+        return {"samples": samples, "fitted": fitted}
+
     def execute(self, requests: list[StepRequest]) -> StepResult:
         """Runs every request's tokens as one ragged forward. Prefill chunks advance their state directly;
         decodes verify their drafts (if any) without writing GDN state, and the commit replays exactly the
