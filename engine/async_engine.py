@@ -70,6 +70,7 @@ class _Delivery:
     outputs: list[StepOutput] = field(default_factory=list)
     errors: dict[str, BaseException] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    policy_stats: dict[str, float] = field(default_factory=dict)
     step_s: float | None = None
     admitted: list[tuple[str, int]] = field(default_factory=list)  # (rid, prompt tokens)
 
@@ -216,6 +217,7 @@ class AsyncEngine:
                     self._fail_running(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"), delivery)
                 delivery.step_s = time.perf_counter() - start
             delivery.stats = core.stats()
+            delivery.policy_stats = core.policy_stats
             self._deliver_threadsafe(delivery)
             if stopping:
                 return
@@ -265,6 +267,7 @@ class AsyncEngine:
         self.last_stats = delivery.stats
         m = self.metrics
         m.observe_occupancy(delivery.stats)
+        m.policy = delivery.policy_stats
         if delivery.step_s is not None:
             m.observe_step(delivery.step_s)
         for rid, prompt_tokens in delivery.admitted:

@@ -108,6 +108,7 @@ class EngineCore:
             and speculating and config.policy in ("budget", "hybridspec"),
             graph_pages_per_request=-(-self.max_model_len // config.page_size) if config.cuda_graphs else 0))
         self.live: dict[str, _Live] = {}
+        self.policy_stats: dict[str, float] = {}  # the worker's latest latency-model / calibration errors
 
     def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
         """Enough pages for max_running requests of max_model_len tokens, within a KV memory budget
@@ -188,6 +189,8 @@ class EngineCore:
                                     c.start, list(table.pages), table.slot, c.completes, c.request.params,
                                     c.draft_cap, c.request.all_ids if c.draft_cap else []))
         result = self.executor.execute(work)
+        if result.policy_stats:
+            self.policy_stats = result.policy_stats
         self.scheduler.commit(plan, result.accepted_tokens)
         for rid, n in result.draft_tokens.items():
             stats = self.live[rid].request.stats

@@ -50,6 +50,7 @@ class EngineMetrics:
     step_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     accepted_length: Histogram = field(default_factory=lambda: Histogram(ACCEPTED_LENGTH_BUCKETS))
     occupancy: dict[str, int] = field(default_factory=dict)
+    policy: dict[str, float] = field(default_factory=dict)  # latency-model / calibration errors (workers/policy.py)
 
     # ---- updates -------------------------------------------------------------------------------------
     def request_admitted(self, prompt_tokens: int) -> None:
@@ -113,6 +114,16 @@ class EngineMetrics:
         metric("total_pages", "gauge", "KV pages in the pool.", [("", occ.get("total_pages", 0))])
         metric("free_slots", "gauge", "Free GDN state slots.", [("", occ.get("free_slots", 0))])
         metric("total_slots", "gauge", "GDN state slots in the pool.", [("", occ.get("total_slots", 0))])
+        pol = self.policy
+        for key, name, help_text in (
+                ("latency_mean_abs_pct", "latency_model_error_mean_pct",
+                 "Latency model: mean absolute error of step-time predictions made before each step, % of measured."),
+                ("latency_p90_abs_pct", "latency_model_error_p90_pct", "Latency model: p90 absolute error, %."),
+                ("calibration_ece_raw", "drafter_confidence_ece", "Drafter confidence vs acceptance: expected "
+                 "calibration error of the raw confidences."),
+                ("calibration_ece", "calibrated_acceptance_ece", "Expected calibration error after calibration.")):
+            if key in pol and pol[key] == pol[key]:  # present and not NaN
+                metric(name, "gauge", help_text, [("", pol[key])])
         for name, h, help_text in (
                 ("step_seconds", self.step_seconds, "Wall time of one engine step."),
                 ("accepted_length", self.accepted_length, "Drafts accepted per verification (one request, one step).")):

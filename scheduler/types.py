@@ -124,3 +124,4 @@ class StepResult:
     draft_tokens: dict[str, int] = field(default_factory=dict)  # drafted tokens verified, per request
     accepted_tokens: dict[str, int] = field(default_factory=dict)  # of those, accepted
     step_ms: float = 0.0  # time the worker spent on the step
+    policy_stats: dict[str, float] = field(default_factory=dict)  # latency-model / calibration error, now and then

@@ -321,3 +321,11 @@ def test_startup_profile_fits_the_latency_model_before_serving_and_stays_lossles
     assert tokens == reference
     assert sum(s.draft_tokens for s in stats) > 0
     assert len(policy.latency.samples) > profiled_samples  # refined online from the real steps
+    # its prediction error and the calibration's reach the engine, and from there the Prometheus metrics
+    from engine.metrics import EngineMetrics
+
+    assert llm.engine.policy_stats["latency_samples"] > 0  # reported by the worker (first step, then every 16)
+    stats = policy.stats("replay")  # what the worker reports, now
+    assert stats["latency_mean_abs_pct"] >= 0 and stats["calibration_samples"] > 0
+    text = EngineMetrics(policy=stats).render()
+    assert "hybridspec_latency_model_error_mean_pct " in text and "hybridspec_drafter_confidence_ece " in text

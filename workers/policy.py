@@ -199,7 +199,14 @@ class LengthPolicy:
                 self._pending_counts = None
                 self._touch = None  # refreshed from the new routing statistics at the next plan
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, drafter: str | None = None) -> dict[str, float]:
+        """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
+        calibration's expected calibration error before and after the map."""
         err = self.latency.error_stats()
-        return {"latency_samples": float(err.n), "latency_mean_abs_pct": err.mean_abs_pct,
-                "latency_p90_abs_pct": err.p90_abs_pct}
+        out = {"latency_samples": float(err.n), "latency_mean_abs_pct": err.mean_abs_pct,
+               "latency_p90_abs_pct": err.p90_abs_pct}
+        if drafter is not None and drafter in self.calibrator.drafters:
+            cal = self.calibrator.stats(drafter)
+            out.update(calibration_samples=float(cal.n), calibration_ece_raw=cal.ece_raw,
+                       calibration_ece=cal.ece_calibrated)
+        return out

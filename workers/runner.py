@@ -47,6 +47,7 @@ class _ForwardTimer:
         return (self.t1 - self.t0) * 1e3
 
 
+POLICY_STATS_EVERY = 16  # steps between reports of the latency model's and the calibration's errors
 DRAFT_SEED_SALT = 0x5DEECE66D  # a request's draft stream is seeded from its seed, apart from its sampling stream
 
 
@@ -59,6 +60,7 @@ class ModelRunner:
         self.draft_generators: dict[str, torch.Generator | None] = {}
         self.graph_config: tuple[int, int] | None = None  # (max batch, page-table width) once enabled
         self._graph_capture = True
+        self._steps = 0
         self._graphs: dict[tuple, StepGraphs] = {}  # one set per (policy flags, drafter needs)
         self.set_policy(policy, max_verify_len)
 
@@ -280,6 +282,9 @@ class ModelRunner:
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
             if learns_experts and moe and moe.distinct_experts else None,
             verified), moe.expert_counts if learns_experts and moe is not None else None)
+        self._steps += 1
+        if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
+            result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
