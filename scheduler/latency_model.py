@@ -291,6 +291,8 @@ class ExpertEstimator:
         self.locality, self.locality_ema = locality, locality_ema
         self.counts = [[0.0] * num_experts for _ in range(num_layers)]
         self._probs: list[list[float]] | None = None
+        self._distinct_cache: dict[float, float] = {}
+        self._distinct_cache_of: list[list[float]] | None = None  # the touch table the cache was computed from
         self.errors: deque[tuple[float, float]] = deque(maxlen=512)
 
     # ---- learning ------------------------------------------------------------------------------------
@@ -355,7 +357,14 @@ class ExpertEstimator:
         return [sum(1.0 - (1.0 - q) ** num_tokens for q in qs) for qs in self.touch_prob_table()]
 
     def expected_distinct_total(self, num_tokens: float) -> float:
-        return sum(self.expected_distinct(num_tokens))
+        """Memoized per token count until the routing statistics change (every step asks for a handful)."""
+        if self._probs is None or self._distinct_cache_of is not self._probs:
+            self.touch_prob_table()
+            self._distinct_cache, self._distinct_cache_of = {}, self._probs
+        key = float(num_tokens)
+        if key not in self._distinct_cache:
+            self._distinct_cache[key] = sum(self.expected_distinct(num_tokens))
+        return self._distinct_cache[key]
 
     def request_touch_probs(self, footprint: Footprint | None) -> list[list[float]]:
         """[layer][expert] probability that one token of a request with this footprint is routed to the expert."""
