@@ -15,8 +15,22 @@ import sys
 
 from scheduler.types import MAX_NEW_TOKENS, InvalidRequest, SamplingParams
 
-MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "spec": "off", "policy": "hybridspec", "max_verify_len": 16,
+# spec None = the embedded default model's own speculation (mtp with the trained pair) without a model directory,
+# else off
+MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "spec": None, "policy": "hybridspec", "max_verify_len": 16,
                   "draft_model": None, "expert_parallel": 1}
+
+
+def _speculation(model: str | None, spec: str | None, draft_model: str | None) -> tuple[str, str | None]:
+    """(spec, draft_model) after the default: the embedded model speculates the way it was trained to."""
+    if spec is not None:
+        return spec, draft_model
+    if model is None and draft_model is None:
+        from engine.default_model import default_speculation
+
+        d = default_speculation()
+        return d["spec"], d["draft_model"]
+    return "off", draft_model
 
 
 def _add_model_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -25,7 +39,8 @@ def _add_model_options(p: argparse.ArgumentParser, defaults: bool = True) -> Non
     p.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"], help="default float32")
     p.add_argument("--spec", default=d["spec"], choices=["off", "ngram", "draft", "mtp", "replay"],
-                   help="speculative decoding method (default off)")
+                   help="speculative decoding method (default: the embedded model's own, mtp for the trained "
+                        "pair; off with a model directory)")
     p.add_argument("--policy", default=d["policy"], choices=["ar", "fixed", "budget", "hybridspec"],
                    help="verification-length policy (default hybridspec)")
     p.add_argument("--max-verify-len", type=int, default=d["max_verify_len"],
@@ -123,6 +138,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM  # heavy import (torch) only when needed
 
     model_options = {k: (MODEL_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in MODEL_DEFAULTS}
+    model_options["spec"], model_options["draft_model"] = _speculation(args.model, model_options["spec"],
+                                                                       model_options["draft_model"])
     _check_expert_parallel(model_options["expert_parallel"], args.executor or "local")
     llm = LLM(model=args.model, executor=args.executor or "local", **model_options)
     out = sys.stdout
@@ -154,13 +171,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = {k: getattr(args, k) for k in ("max_running", "num_pages", "max_step_tokens", "max_model_len")
               if getattr(args, k) is not None}
     # LLM checks the speculation options exactly as the Python API does, then builds the engine core.
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, spec=args.spec, policy=args.policy,
-              max_verify_len=args.max_verify_len, draft_model=args.draft_model, executor=args.executor,
+    spec, draft_model = _speculation(args.model, args.spec, args.draft_model)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, spec=spec, policy=args.policy,
+              max_verify_len=args.max_verify_len, draft_model=draft_model, executor=args.executor,
               expert_parallel=args.expert_parallel, **limits)
     options = ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                            max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
     ep = f" x{args.expert_parallel} expert-parallel" if args.expert_parallel > 1 else ""
-    what = f" ({args.model or 'embedded default model'}, executor {args.executor}{ep}, spec {args.spec})"
+    what = f" ({args.model or 'embedded default model'}, executor {args.executor}{ep}, spec {spec})"
     return run_event_loop(serve_until_signal(llm.engine, options, what))
 
 

@@ -1,8 +1,15 @@
-"""The embedded default model: a tiny GDN + MoE model and a byte-level tokenizer, built deterministically.
+"""The embedded default model: what `hybridspec` runs when no model directory is given.
 
-`hybridspec` runs out of the box with no model directory: the first use writes a Hugging Face layout
-directory (config.json, model.safetensors, tokenizer.json) under the cache folder and every later use
-loads it through the normal loader. Its weights are random (seeded), so its text is noise.
+- The trained pair (issue 9), when the repository has `models/target` (training/train.py writes it): a small
+  GDN + MoE target trained on the CPython standard library, with its BPE tokenizer and its MTP head (`mtp.*`
+  tensors), and `models/draft`, a small draft model with the same tokenizer. `default_speculation()` says how to
+  speculate with it (spec "mtp" when the head is there, else "draft").
+- Otherwise (and whenever HYBRIDSPEC_DEFAULT_MODEL=random): a tiny GDN + MoE model with random (seeded) weights and
+  a byte-level tokenizer, built deterministically on first use under the cache folder; its text is noise.
+
+HYBRIDSPEC_DEFAULT_MODEL = auto (default: trained if present, else random) | trained | random picks one
+explicitly (tests that need the random model's exact shapes pin it); HYBRIDSPEC_MODELS points at another
+directory holding target/ and draft/ (default: the repository's models/).
 """
 
 from __future__ import annotations
@@ -71,8 +78,62 @@ def build_default_model(directory: str | Path) -> Path:
     return directory
 
 
+def models_root() -> Path:
+    """Where the trained embedded models live: $HYBRIDSPEC_MODELS, else the repository's models/."""
+    env = os.environ.get("HYBRIDSPEC_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+
+
+def _is_model_dir(path: Path) -> bool:
+    return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def trained_model_dir() -> Path | None:
+    """The trained target's directory (models/target), or None when it is not there."""
+    path = models_root() / "target"
+    return path if _is_model_dir(path) else None
+
+
+def trained_draft_dir() -> Path | None:
+    path = models_root() / "draft"
+    return path if _is_model_dir(path) else None
+
+
 def default_model_dir() -> Path:
-    """The default model's directory, built on first use (atomically, so parallel first uses are safe)."""
+    """The embedded default model's directory (see the module docstring for which one)."""
+    choice = os.environ.get("HYBRIDSPEC_DEFAULT_MODEL", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "trained", "random"):
+        raise ValueError(f"HYBRIDSPEC_DEFAULT_MODEL must be auto, trained or random, got {choice!r}")
+    if choice != "random":
+        trained = trained_model_dir()
+        if trained is not None:
+            return trained
+        if choice == "trained":
+            raise FileNotFoundError(f"HYBRIDSPEC_DEFAULT_MODEL=trained but {models_root() / 'target'} holds no "
+                                    "model (run training/train.py; see its docstring)")
+    return random_model_dir()
+
+
+def default_speculation(model_dir: str | Path | None = None) -> dict:
+    """How to speculate with the embedded default: {"spec": ..., "draft_model": ...} (engine option names).
+    The trained target: "mtp" if its checkpoint has an MTP head, else "draft" with models/draft; anything else
+    (the random model, or `model_dir` not the trained target): {"spec": "off", "draft_model": None}."""
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    trained = trained_model_dir()
+    if trained is None or model_dir.resolve() != trained.resolve():
+        return {"spec": "off", "draft_model": None}
+    from workers.mtp import count_mtp_layers
+
+    if count_mtp_layers(trained) > 0:
+        return {"spec": "mtp", "draft_model": None}
+    draft = trained_draft_dir()
+    if draft is not None:
+        return {"spec": "draft", "draft_model": str(draft)}
+    return {"spec": "off", "draft_model": None}
+
+
+def random_model_dir() -> Path:
+    """The random model's directory, built on first use (atomically, so parallel first uses are safe)."""
     target = cache_root() / DEFAULT_MODEL_VERSION
     if (target / "tokenizer.json").is_file():
         return target

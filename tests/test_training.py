@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from training.train import main as train_main
@@ -57,3 +58,75 @@ def test_trained_draft_model_speculates_losslessly(trained):
                draft_model=str(trained / "draft")).generate(prompts, params)
     assert [r.token_ids for r in spec] == base
     assert sum(r.stats.accepted_tokens for r in spec) > 0  # a trained draft agrees with the target sometimes
+
+
+def test_trained_mtp_head_matches_the_engines_head_and_reports_accuracy(trained):
+    """The head written into the target's checkpoint is workers/mtp.py's MTPHead exactly: the engine's head,
+    loaded from the file, gives the trainable twin's outputs on the same (x_q, h_{q-1}) pairs."""
+    from safetensors.torch import load_file
+
+    from training.mtp_head import TrainableMTPHead
+    from workers.mtp import MTPHead, count_mtp_layers
+
+    target = trained / "target"
+    metrics = json.loads((trained / "metrics.json").read_text())
+    assert 0.0 <= metrics["mtp"]["heldout_top1"] <= 1.0 and metrics["mtp"]["last_loss"] < metrics["mtp"]["first_loss"]
+    assert count_mtp_layers(target) == 1
+    cfg = ModelConfig.from_dir(target)
+    ours = HybridModel(cfg)
+    load_weights(ours, target)
+    engine_head = MTPHead(cfg, 1, torch.float32, "cpu")
+    load_weights(engine_head, target, scope="mtp")
+    twin = TrainableMTPHead(cfg)
+    mtp = {k: v.float() for k, v in load_file(str(target / "model.safetensors")).items() if k.startswith("mtp.")}
+    assert set(mtp) == set(twin.mtp_tensors()) == {k for k in engine_head.state_dict() if k.startswith("mtp.")}
+    twin.load_state_dict(mtp, strict=False)
+    ids = LLM(model=str(target)).tokenizer.encode("import sys\n\n\ndef main(argv):\n    return len(argv)\n")
+    cache = ModelCache(cfg, 16, 16, 1, torch.float32, "cpu")
+    cache.reset_slots([0])
+    _, hidden = ours(ForwardBatch.build([ids], [0], [list(range(16))], [0], "cpu"), cache,
+                     torch.arange(len(ids)), return_hidden=True)
+    pairs = ids[1:]
+    head_cache = ModelCache(engine_head.config, 16, 16, 1, torch.float32, "cpu")
+    got = engine_head(F.embedding(torch.tensor(pairs), ours.model.embed_tokens.weight), hidden[:-1],
+                      ForwardBatch.build([pairs], [0], [list(range(16))], [0], "cpu"), head_cache)
+    with torch.no_grad():
+        expected = twin(F.embedding(torch.tensor([pairs]), ours.model.embed_tokens.weight), hidden[None, :-1])[0]
+    assert (got - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
+
+
+def test_trained_mtp_head_speculates_losslessly(trained):
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = ["import os\n", "def main():\n    ", "class A:\n    def f(self):\n        return"]
+    target = str(trained / "target")
+    base = [r.token_ids for r in LLM(model=target).generate(prompts, params)]
+    for policy in ("fixed", "hybridspec"):
+        llm = LLM(model=target, spec="mtp", policy=policy, max_verify_len=4)
+        out = llm.generate(prompts, params)
+        assert [r.token_ids for r in out] == base, policy
+        assert sum(r.stats.draft_tokens for r in out) > 0
+        assert llm.engine.memory.stats()["used_pages"] == 0
+
+
+def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch):
+    from engine import default_model as dm
+
+    monkeypatch.setenv("HYBRIDSPEC_MODELS", str(trained))
+    monkeypatch.delenv("HYBRIDSPEC_DEFAULT_MODEL", raising=False)
+    assert dm.default_model_dir() == trained / "target"
+    assert dm.default_speculation() == {"spec": "mtp", "draft_model": None}
+    from engine.cli import _speculation  # `hybridspec serve` / `generate` without a model directory
+
+    assert _speculation(None, None, None) == ("mtp", None)
+    assert _speculation(str(trained / "target"), None, None) == ("off", None)  # a model directory: off
+    assert _speculation(None, "ngram", None) == ("ngram", None)  # asked for explicitly
+    llm = LLM(**dm.default_speculation())
+    assert llm.engine.model_dir == trained / "target" and llm.tokenizer.vocab_size == 512
+    out = llm.generate("def f(x):\n", SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    monkeypatch.setenv("HYBRIDSPEC_DEFAULT_MODEL", "random")  # the explicit way back to the random model
+    assert dm.default_model_dir() == dm.random_model_dir()
+    assert dm.default_speculation() == {"spec": "off", "draft_model": None}
+    monkeypatch.setenv("HYBRIDSPEC_DEFAULT_MODEL", "auto")
+    monkeypatch.setenv("HYBRIDSPEC_MODELS", str(trained / "nowhere"))  # no trained models: the random fallback
+    assert dm.default_model_dir() == dm.random_model_dir()
