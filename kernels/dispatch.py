@@ -106,3 +106,23 @@ def paged_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, s
                                       context_lens_host)
     return paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
                                context_lens_host)
+
+
+# ------------------------------------------------------------------------------------------------ norms (issue 6)
+
+def rmsnorm(x, weight, eps):
+    """Zero-centred RMSNorm (kernels.norm.rmsnorm_ref)."""
+    if use_triton(x):
+        from kernels.norm_triton import rmsnorm_triton
+        return rmsnorm_triton(x, weight, eps)
+    from kernels.norm import rmsnorm_ref
+    return rmsnorm_ref(x, weight, eps)
+
+
+def gated_rmsnorm(x, gate, weight, eps):
+    """GDN output norm weight * norm(x) * silu(gate) (kernels.norm.gated_rmsnorm_ref)."""
+    if use_triton(x):
+        from kernels.norm_triton import gated_rmsnorm_triton
+        return gated_rmsnorm_triton(x, gate, weight, eps)
+    from kernels.norm import gated_rmsnorm_ref
+    return gated_rmsnorm_ref(x, gate, weight, eps)

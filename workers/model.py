@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from kernels import dispatch
 from kernels.moe import distinct_experts_ref, router_correction_ref
-from kernels.norm import gated_rmsnorm_ref, rmsnorm_ref
 from workers.batch import ForwardBatch
 from workers.cache import AttentionKV, GDNScratch, GDNState, ModelCache, StepScratch
 from workers.config import FULL_ATTENTION, ModelConfig
@@ -57,6 +56,17 @@ class MoEContext:
         return mask
 
 
+def _derived(module: nn.Module, name: str, source: Tensor, fn) -> Tensor:
+    """fn(source), computed once and kept until `source` changes (new storage or an in-place write, e.g. a
+    weight load): per-step conversions of constant weights are kernels and HBM traffic for nothing."""
+    key = (source.data_ptr(), source._version, source.dtype, source.device)
+    cached = module.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        cached = (key, fn(source))
+        module.__dict__[name] = cached
+    return cached[1]
+
+
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -78,7 +88,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return rmsnorm_ref(x, self.weight, self.eps)
+        return dispatch.rmsnorm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -167,13 +177,14 @@ class GatedDeltaNet(nn.Module):
         q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
         v = v.reshape(n, self.hv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))  # [N, HV]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, HV] log decay
+        neg_a = _derived(self, "_neg_a", self.A_log, lambda a: -a.float().exp())  # [HV]
+        g = neg_a * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, HV] log decay
         o = dispatch.gdn(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
                     batch.max_query_len, write_state=write)  # [N, HV, DV]
         if scratch is not None:
             scratch[layer_index] = GDNScratch(conv_in, k, v, g, beta)
         z = self.in_proj_z(x).view(n, self.hv, self.dv)
-        o = gated_rmsnorm_ref(o, z, self.norm.weight, self.eps)
+        o = dispatch.gated_rmsnorm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(n, self.value_dim))
 
 
@@ -210,7 +221,7 @@ class SparseMoe(nn.Module):
         """x [N, H] -> (weights [N, k], expert ids [N, k])."""
         # fp32 router logits: bf16 ones tie often among hundreds of experts, and a tie broken differently by two
         # kernels sends a token to another expert (the weights are tiny: E x H)
-        logits = F.linear(x.float(), self.gate.weight.float())  # [N, E]
+        logits = F.linear(x.float(), _derived(self, "_gate_f32", self.gate.weight, lambda w: w.float()))  # [N, E]
         if self.router_bias is not None:
             logits = logits + self.router_bias
         weights, ids = dispatch.route(logits, self.top_k, self.renormalize)

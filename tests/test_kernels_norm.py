@@ -1,0 +1,64 @@
+"""Triton RMS norms equal their PyTorch references (TRITON_INTERPRET=1, CPU, fp32), on contiguous rows, strided
+rows (the query half of a fused q/gate projection), odd widths and an empty batch.
+
+Run as a script by the test below (the interpreter must be set before triton is imported); prints one JSON line
+{case: max relative error}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 2e-6
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from kernels.norm import gated_rmsnorm_ref, rmsnorm_ref
+    from kernels.norm_triton import gated_rmsnorm_triton, rmsnorm_triton
+
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for n, d in ((5, 64), (3, 40), (0, 32), (7, 256)):
+        x = torch.randn(n, d, generator=gen) * 3
+        w = 0.1 * torch.randn(d, generator=gen)
+        out[f"rmsnorm_{n}x{d}"] = _rel(rmsnorm_triton(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6))
+    # strided rows: q of a fused [N, H, 2D] projection, as in workers/model.py Attention
+    fused = torch.randn(4, 3, 2 * 32, generator=gen)
+    q, _ = fused.chunk(2, dim=-1)
+    w = 0.1 * torch.randn(32, generator=gen)
+    out["rmsnorm_strided_heads"] = _rel(rmsnorm_triton(q, w, 1e-6), rmsnorm_ref(q, w, 1e-6))
+    for n, hv, d in ((6, 4, 32), (1, 2, 48), (0, 2, 16)):
+        o = torch.randn(n, hv, d, generator=gen)
+        z = torch.randn(n, hv, d, generator=gen) * 2
+        w = 1.0 + 0.1 * torch.randn(d, generator=gen)
+        out[f"gated_{n}x{hv}x{d}"] = _rel(gated_rmsnorm_triton(o, z, w, 1e-6), gated_rmsnorm_ref(o, z, w, 1e-6))
+    print(json.dumps(out))
+
+
+def test_triton_norms_equal_references():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    errors = json.loads(lines[-1])
+    assert len(errors) == 8
+    bad = {k: e for k, e in errors.items() if not e <= TOL}
+    assert not bad, f"relative errors above {TOL}: {bad}"
+
+
+if __name__ == "__main__":
+    main()
