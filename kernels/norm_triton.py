@@ -27,12 +27,14 @@ def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, D, s_x, s_o, eps, BD: tl.constexpr):
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, D, s_x, s_g, s_o, eps, BD: tl.constexpr):
+def _gated_rmsnorm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, D, s_x0, s_x1, s_g0, s_g1, s_o, R1, eps, BD: tl.constexpr):
+    """Row r = (r // R1, r % R1) of x and gate viewed as [M / R1, R1, D] with their own strides."""
     row = tl.program_id(0).to(tl.int64)
+    outer, inner = row // R1, row % R1
     cols = tl.arange(0, BD)
     mask = cols < D
-    x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(g_ptr + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + outer * s_x0 + inner * s_x1 + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(g_ptr + outer * s_g0 + inner * s_g1 + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     dt = o_ptr.dtype.element_ty
@@ -65,13 +67,27 @@ def rmsnorm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out.view(x.shape)
 
 
+def _rows3(x: Tensor) -> Tensor:
+    """[..., D] -> [M1, R1, D] (last dim contiguous, any strides for the two row dims; no copy for 2-D/3-D)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
 def gated_rmsnorm_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """GDN output norm (kernels.norm.gated_rmsnorm_ref): weight * (x / rms(x)) * silu(gate), x/gate [..., D]."""
+    """GDN output norm (kernels.norm.gated_rmsnorm_ref): weight * (x / rms(x)) * silu(gate), x/gate [..., D].
+    gate may be a strided view (a column block of a fused projection: rows of [N, HV, D] with stride != HV*D)."""
     d = x.shape[-1]
-    x2, g2 = _rows(x), _rows(gate)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
+    x3, g3 = _rows3(x), _rows3(gate.expand_as(x))
+    rows = x3.shape[0] * x3.shape[1]
+    out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
+    if rows:
         bd = triton.next_power_of_2(d)
-        _gated_rmsnorm_kernel[(x2.shape[0],)](x2, g2, weight, out, d, x2.stride(0), g2.stride(0), out.stride(0),
-                                              float(eps), BD=bd, num_warps=4 if bd <= 1024 else 8)
+        _gated_rmsnorm_kernel[(rows,)](x3, g3, weight, out, d, x3.stride(0), x3.stride(1), g3.stride(0),
+                                       g3.stride(1), out.stride(0), x3.shape[1], float(eps), BD=bd,
+                                       num_warps=4 if bd <= 1024 else 8)
     return out.view(x.shape)

@@ -45,6 +45,12 @@ def main() -> None:
         z = torch.randn(n, hv, d, generator=gen) * 2
         w = 1.0 + 0.1 * torch.randn(d, generator=gen)
         out[f"gated_{n}x{hv}x{d}"] = _rel(gated_rmsnorm_triton(o, z, w, 1e-6), gated_rmsnorm_ref(o, z, w, 1e-6))
+    # strided gate: z as a column block of a fused [N, total] projection, viewed [N, HV, D]
+    fused = torch.randn(5, 3 * 4 * 16 + 7, generator=gen)
+    z = fused[:, 5:5 + 4 * 16].view(5, 4, 16)
+    o = torch.randn(5, 4, 16, generator=gen)
+    w = 1.0 + 0.1 * torch.randn(16, generator=gen)
+    out["gated_strided_gate"] = _rel(gated_rmsnorm_triton(o, z, w, 1e-6), gated_rmsnorm_ref(o, z, w, 1e-6))
     print(json.dumps(out))
 
 
@@ -55,7 +61,7 @@ def test_triton_norms_equal_references():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = json.loads(lines[-1])
-    assert len(errors) == 8
+    assert len(errors) == 9
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
 

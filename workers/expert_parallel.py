@@ -159,7 +159,7 @@ class ExpertParallelMoE:
         # the mask of this layer, and what the latency model learns (this rank's batch: distinct experts, counts)
         token_mask = ctx.mask_for(ids, num_experts) if ctx is not None else None
         routed = self.exchange(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids, token_mask)
-        shared = torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+        shared = moe.shared_output(x)
         return routed + shared
 
     def exchange(self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor,

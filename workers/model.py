@@ -81,6 +81,36 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+@dataclass
+class FusedLinears:
+    """Linears that read the same input, with weights (and biases) stored as row blocks of one tensor: one GEMM
+    instead of several per step. Each Linear keeps its own parameter (a view of its block), so checkpoint names,
+    loading and saving are unchanged."""
+
+    weight: Tensor  # [sum(sizes), d_in]
+    bias: Tensor | None
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, linears: list["Linear"]) -> "FusedLinears":
+        sizes = [lin.weight.shape[0] for lin in linears]
+        w0 = linears[0].weight
+        weight = torch.empty(sum(sizes), w0.shape[1], dtype=w0.dtype, device=w0.device)
+        has_bias = linears[0].bias is not None
+        bias = torch.empty(sum(sizes), dtype=w0.dtype, device=w0.device) if has_bias else None
+        start = 0
+        for lin, n in zip(linears, sizes):
+            lin.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+            if has_bias:
+                lin.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+            start += n
+        return cls(weight, bias, sizes)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x [N, d_in] -> one [N, size_i] output per Linear (column slices of one product)."""
+        return torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype, device):
         super().__init__()
@@ -126,16 +156,18 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * d, dtype, device, cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * d, dtype, device, cfg.attention_bias)
         self.o_proj = Linear(h * d, cfg.hidden_size, dtype, device, cfg.attention_bias)
+        self.qkv = FusedLinears.of([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.rope = rope
 
     def forward(self, x: Tensor, batch: ForwardBatch, kv: AttentionKV, cos: Tensor, sin: Tensor) -> Tensor:
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [N, H, D] each
+        q, k, v = self.qkv(x)  # one GEMM for q_proj, k_proj, v_proj
+        q, gate = q.view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [N, H, D] each
         q = self.rope.apply(self.q_norm(q), cos, sin)
-        k = self.rope.apply(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        k = self.rope.apply(self.k_norm(k.view(n, self.kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.kv_heads, self.head_dim)
         dispatch.write_kv(k, v, kv.k, kv.v, batch.page_table, batch.positions, batch.request_of_row)
         o = dispatch.paged_attention(q, kv.k, kv.v, batch.page_table, batch.cu_seqlens, batch.context_lens,
                                 self.head_dim ** -0.5, batch.query_lens, batch.context_lens_host)  # [N, H, D]
@@ -156,6 +188,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(hidden, self.value_dim, dtype, device)
         self.in_proj_b = Linear(hidden, self.hv, dtype, device)
         self.in_proj_a = Linear(hidden, self.hv, dtype, device)
+        self.in_proj = FusedLinears.of([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         self.conv1d = nn.Module()
         self.conv1d.weight = _param(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim, dtype=dtype, device=device)
         self.dt_bias = _param(self.hv, dtype=dtype, device=device)
@@ -170,20 +203,20 @@ class GatedDeltaNet(nn.Module):
         """`write`: True, or a [B] mask of the requests whose state this forward advances; the others keep
         S_0 and their block inputs go into `scratch[layer_index]` for the commit."""
         n = x.shape[0]
-        conv_in = self.in_proj_qkv(x)  # [N, conv_dim]
+        conv_in, z, b, a = self.in_proj(x)  # one GEMM; conv_in [N, conv_dim], z [N, HV*DV], b, a [N, HV]
         mixed = dispatch.causal_conv1d(conv_in, self.conv1d.weight[:, 0, :], batch.cu_seqlens, state.conv,
                                   batch.state_slots, batch.max_query_len, write)  # [N, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
         v = v.reshape(n, self.hv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))  # [N, HV]
+        beta = torch.sigmoid(b)  # [N, HV]
         neg_a = _derived(self, "_neg_a", self.A_log, lambda a: -a.float().exp())  # [HV]
-        g = neg_a * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, HV] log decay
+        g = neg_a * F.softplus(a.float() + self.dt_bias)  # [N, HV] log decay
         o = dispatch.gdn(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
                     batch.max_query_len, write_state=write)  # [N, HV, DV]
         if scratch is not None:
             scratch[layer_index] = GDNScratch(conv_in, k, v, g, beta)
-        z = self.in_proj_z(x).view(n, self.hv, self.dv)
+        z = z.view(n, self.hv, self.dv)
         o = dispatch.gated_rmsnorm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(n, self.value_dim))
 
@@ -213,6 +246,8 @@ class SparseMoe(nn.Module):
         self.experts.down_proj = _param(e, h, i, dtype=dtype, device=device)
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype, device)
         self.shared_expert_gate = Linear(h, 1, dtype, device)
+        self.shared_in = FusedLinears.of([self.shared_expert.gate_proj, self.shared_expert.up_proj,
+                                          self.shared_expert_gate])
         # benchmarks only: a fixed per-expert logit bias that gives random-weight routers realistic skew
         self.register_buffer("router_bias", None, persistent=False)
         self.ep = None  # expert parallelism: this rank's shard + exchange (workers/expert_parallel.py), else local
@@ -233,8 +268,12 @@ class SparseMoe(nn.Module):
             return self.ep(self, x, weights, ids, ctx)
         token_mask = ctx.mask_for(ids, self.experts.gate_up_proj.shape[0]) if ctx is not None else None
         routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return routed + self.shared_output(x)
+
+    def shared_output(self, x: Tensor) -> Tensor:
+        """The shared expert, gated: one GEMM for its gate/up projections and its own gate logit."""
+        gate, up, gate_logit = self.shared_in(x)
+        return torch.sigmoid(gate_logit) * self.shared_expert.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
