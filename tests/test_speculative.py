@@ -329,3 +329,25 @@ def test_startup_profile_fits_the_latency_model_before_serving_and_stays_lossles
     assert stats["latency_mean_abs_pct"] >= 0 and stats["calibration_samples"] > 0
     text = EngineMetrics(policy=stats).render()
     assert "hybridspec_latency_model_error_mean_pct " in text and "hybridspec_drafter_confidence_ece " in text
+
+
+def test_a_bucket_that_fails_to_capture_runs_eagerly_and_stays_eager(reference):
+    """A capture can fail while serving (out of memory, a kernel that cannot be captured): that step and that
+    bucket's later steps run eagerly instead of failing the requests."""
+    llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.8))
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    graphs = llm.engine.executor.runner.step_graphs()
+    build = graphs._new
+
+    def failing_for_verification(key):
+        if key.max_block > 1:
+            raise RuntimeError("simulated capture failure")
+        return build(key)
+
+    graphs._new = failing_for_verification
+    tokens, stats = run(llm)
+    assert tokens == reference
+    assert sum(s.accepted_tokens for s in stats) > 0
+    assert graphs.failed and all(k.max_block > 1 for k in graphs.failed)
+    assert all(k.max_block == 1 for k in graphs.graphs)  # plain decode buckets still in graphs

@@ -182,9 +182,9 @@ class DraftModelDrafter(Drafter):
         if self.graphs is not None:
             lens = [len(b) for b in blocks]
             key = self.graphs.bucket(len(blocks), sum(lens), max(lens), max(len(r.pages) for r in requests))
-            if key is not None:
-                out = self.graphs.run(key, blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
-                                      [True] * len(blocks), [])
+            out = self.graphs.run(key, blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
+                                  [True] * len(blocks), []) if key is not None else None
+            if out is not None:  # None: the bucket could not be captured, run eagerly
                 last = torch.tensor(lens, device=out.logits.device).cumsum(0) - 1
                 return out.logits.index_select(0, last)
         batch = ForwardBatch.build(blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
@@ -259,9 +259,9 @@ class DraftModelDrafter(Drafter):
         if self.graphs is not None:
             key = self.graphs.bucket(len(blocks), sum(map(len, blocks)), max(map(len, blocks)),
                                      max(len(r.pages) for r in requests))
-            if key is not None:
-                self.graphs.run(key, blocks, [r.num_cached for r in requests], [r.pages for r in requests],
-                                [r.slot for r in requests], [False] * len(blocks), [])
+            if key is not None and self.graphs.run(key, blocks, [r.num_cached for r in requests],
+                                                   [r.pages for r in requests], [r.slot for r in requests],
+                                                   [False] * len(blocks), []) is not None:
                 return
         batch = ForwardBatch.build(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
                                    [r.slot for r in requests], self.model.device)
@@ -274,4 +274,4 @@ class DraftModelDrafter(Drafter):
 
         self.graphs = StepGraphs(self.model, self.cache, max_block=max_block, spare_page=self.cache.num_pages - 1,
                                  spare_slot=self.cache.num_slots - 1, page_table_width=max_pages_per_request,
-                                 max_tokens=max_batch * max_block, capture=capture)
+                                 max_tokens=max_batch * max_block, capture=capture, commits=False)

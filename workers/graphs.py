@@ -18,6 +18,7 @@ same static batches run eagerly: that path checks the padding on machines withou
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from workers.cache import ModelCache, StepScratch
 from workers.model import HybridModel, MoEContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+log = logging.getLogger(__name__)
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -39,6 +41,9 @@ def token_buckets(limit: int) -> list[int]:
     while out[-1] < limit:
         out.extend(b for b in (base, base + base // 2) if b > out[-1])
         base *= 2
+    while len(out) > 1 and out[-2] >= limit:  # no bucket past the first one that holds the limit ...
+        out.pop()
+    out[-1] = max(limit, 1)  # ... and that one exactly the limit (the shared output buffers are this tall)
     return out
 
 
@@ -81,7 +86,8 @@ class StepGraphs:
 
     def __init__(self, model: HybridModel, cache: ModelCache, *, max_block: int, spare_page: int, spare_slot: int,
                  page_table_width: int, max_tokens: int, return_hidden: bool = False, extra_token: bool = False,
-                 collect_counts: bool = False, capture: bool | None = None, max_graphs: int = 96):
+                 collect_counts: bool = False, capture: bool | None = None, max_graphs: int = 96,
+                 commits: bool = True):
         self.model, self.cache = model, cache
         self.max_block = max_block
         self.spare_page, self.spare_slot = spare_page, spare_slot
@@ -89,8 +95,12 @@ class StepGraphs:
         self.return_hidden, self.extra_token, self.collect_counts = return_hidden, extra_token, collect_counts
         self.capture = model.device.type == "cuda" if capture is None else capture
         self.max_graphs = max_graphs
+        # commits=False (a drafter's graphs): no commit graph and no block inputs kept; nor for plain decode
+        # buckets (nothing to commit there): each kept scratch costs ~Nb x GDN layers x 28 KB at real shapes
+        self.commits = commits
         self.tokens = token_buckets(max_tokens)
         self.graphs: dict[BucketKey, _Graph] = {}
+        self.failed: dict[BucketKey, str] = {}  # buckets whose capture failed: those steps run eagerly
         self.pool = None
         device, vocab = model.device, model.config.vocab_size
         self.logits_out = torch.empty(self.tokens[-1], vocab, dtype=torch.float32, device=device)  # shared
@@ -107,9 +117,12 @@ class StepGraphs:
         if reqs is None:
             return None
         key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block)
-        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+        if key in self.failed or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
             return None
         return key
+
+    def _keeps_commit(self, key: BucketKey) -> bool:
+        return self.commits and key.max_block > 1
 
     def _pad_requests(self, key: BucketKey) -> int:
         """P: padding requests for the largest padding this bucket can see (N just above the bucket below)."""
@@ -144,27 +157,31 @@ class StepGraphs:
             return g
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        commits = self._keeps_commit(key)
         with torch.cuda.stream(stream):  # compile and autotune every kernel outside the capture
             for _ in range(2):
-                self._forward(g)
-                self._commit(g)
+                self._forward(g, commits)
+                if commits:
+                    self._commit(g)
         torch.cuda.current_stream().wait_stream(stream)
         g.forward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.forward, pool=self.pool):
-            self._forward(g)
+            self._forward(g, commits)
         self.pool = g.forward.pool()
-        g.commit = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.commit, pool=self.pool):
-            self._commit(g)
+        if commits:
+            g.commit = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.commit, pool=self.pool):
+                self._commit(g)
         self.captures += 1
         return g
 
-    def _forward(self, g: _Graph) -> None:
+    def _forward(self, g: _Graph, keep_scratch: bool = True) -> None:
         g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token else None, row_mask=g.row_mask,
                            collect_counts=self.collect_counts)
-        g.scratch = StepScratch({})
-        out = self.model(g.batch, self.cache, None, write=g.write, scratch=g.scratch,
+        scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph
+        out = self.model(g.batch, self.cache, None, write=g.write, scratch=scratch,
                          return_hidden=self.return_hidden, moe=g.moe, all_rows_into=g.logits)
+        g.scratch = scratch if keep_scratch else StepScratch({})  # else its memory goes back to the pool
         if self.return_hidden:
             g.hidden.copy_(out[1])
 
@@ -185,11 +202,19 @@ class StepGraphs:
         batch.request_of_row.copy_(torch.repeat_interleave(torch.arange(r), torch.tensor(lens)))
 
     def run(self, key: BucketKey, blocks: list[list[int]], context_lens: list[int], page_rows: list[list[int]],
-            slots: list[int], write: list[bool], extra_rows: list[int]) -> StepOutputs:
+            slots: list[int], write: list[bool], extra_rows: list[int]) -> StepOutputs | None:
+        """One step in bucket `key` (captured first if new). None if the capture failed (out of memory, a kernel
+        that cannot be captured...): the caller runs the step eagerly, and this bucket stays eager."""
         g = self.graphs.get(key)
         captured = g is None and self.capture
         if g is None:
-            g = self.graphs[key] = self._new(key)
+            try:
+                g = self._new(key)
+            except Exception as e:  # noqa: BLE001 - eager still works; remember why
+                self.failed[key] = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
+                return None
+            self.graphs[key] = g
         b, r, nb = len(blocks), g.write.shape[0], key.tokens
         lens = [len(x) for x in blocks]
         n = sum(lens)
@@ -228,7 +253,7 @@ class StepGraphs:
             if not dispatch.use_triton(bt.input_ids):  # the references loop over the real host lengths
                 bt.query_lens = lens + pad_lens
                 bt.context_lens_host = context_lens + [0] * (r - b)
-            self._forward(g)
+            self._forward(g, self._keeps_commit(key))
         else:
             g.forward.replay()
         return StepOutputs(g.logits[:n], g.hidden[:n] if g.hidden is not None else None, g.moe, key, captured)
@@ -249,6 +274,8 @@ class StepGraphs:
     def commit(self, key: BucketKey, keep: list[int]) -> None:
         """Replays the commit: keep[i] accepted tokens of request i (0 for requests the forward advanced)."""
         g = self.graphs[key]
+        if not self._keeps_commit(key):
+            raise RuntimeError(f"bucket {key} has no commit graph (plain decode, or commits=False)")
         r = g.keep.shape[0]
         g.keep.copy_(torch.tensor(keep + [0] * (r - len(keep)), dtype=torch.int64), non_blocking=True)
         if not self.capture:

@@ -35,7 +35,7 @@ class DevicePlanner:
 
     def __init__(self, device: torch.device, max_drafts: int):
         self.device, self.k = device, max_drafts
-        self.capture = device.type == "cuda"
+        self.capture = device.type == "cuda"  # the runner turns it off when its own graphs are off
         self.graphs: dict[int, tuple] = {}
         self.pool = None
 

@@ -8,6 +8,7 @@ stream wherever the request runs). The engine talks to it through plain data (St
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -47,6 +48,7 @@ class _ForwardTimer:
         return (self.t1 - self.t0) * 1e3
 
 
+MAX_GRAPH_SETS = 3  # graph sets kept (each holds its buckets' graphs and a shared [max tokens, V] output)
 POLICY_STATS_EVERY = 16  # steps between reports of the latency model's and the calibration's errors
 DRAFT_SEED_SALT = 0x5DEECE66D  # a request's draft stream is seeded from its seed, apart from its sampling stream
 
@@ -61,11 +63,14 @@ class ModelRunner:
         self.graph_config: tuple[int, int] | None = None  # (max batch, page-table width) once enabled
         self._graph_capture = True
         self._steps = 0
-        self._graphs: dict[tuple, StepGraphs] = {}  # one set per (policy flags, drafter needs)
+        self._graphs: OrderedDict[tuple, StepGraphs] = OrderedDict()  # per (policy flags, drafter needs), LRU
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
         self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
+        # the planner's graphs follow the runner's (cuda_graphs=False: everything eager)
+        self.policy.planner.capture = self.graph_config is not None and self._graph_capture \
+            and self.device.type == "cuda"
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
@@ -87,6 +92,8 @@ class ModelRunner:
             return "CUDA graphs need a CUDA device"
         self.graph_config = (max_batch, max_pages_per_request)
         self._graph_capture = capture
+        self._graphs.clear()  # sets built for another configuration
+        self.policy.planner.capture = capture and self.device.type == "cuda"
         if warm:
             try:
                 graphs = self.step_graphs()
@@ -109,12 +116,24 @@ class ModelRunner:
         block = self.policy.max_verify_len + 1
         hidden = bool(getattr(self.drafter, "needs_hidden", False))
         flags = (block, hidden, self.policy.uses_extra_token, self.policy.name == "hybridspec")
-        if flags not in self._graphs:
+        if flags in self._graphs:
+            self._graphs.move_to_end(flags)
+        else:
+            while len(self._graphs) >= MAX_GRAPH_SETS:  # e.g. a benchmark sweeping K: keep the recent sets
+                self._graphs.popitem(last=False)
             self._graphs[flags] = StepGraphs(
                 self.model, self.cache, max_block=block, spare_page=self.cache.num_pages - 1,
                 spare_slot=self.cache.num_slots - 1, page_table_width=width, max_tokens=max_batch * block,
                 return_hidden=hidden, extra_token=flags[2], collect_counts=flags[3], capture=self._graph_capture)
         return self._graphs[flags]
+
+    def captures_total(self) -> int:
+        """CUDA graphs captured so far by this runner, its drafter and its planner (a step that captured is no
+        measurement of a step)."""
+        n = sum(g.captures for g in self._graphs.values()) + len(self.policy.planner.graphs)
+        drafter_graphs = getattr(self.drafter, "graphs", None) or getattr(
+            getattr(self.drafter, "cost_model", None), "graphs", None)
+        return n + (drafter_graphs.captures if drafter_graphs is not None else 0)
 
     def profile(self, max_batch: int, repeats: int = 2, seed: int = 0) -> dict:
         """Start-up profile: times synthetic verification steps of several shapes (requests x block length, on
@@ -139,8 +158,9 @@ class ModelRunner:
                     moe = MoEContext(collect_counts=True)
                     timer = _ForwardTimer(self.device)
                     key = graphs.bucket(b, b * t, t, len(pages[0])) if graphs is not None else None
-                    if key is not None:
-                        out = graphs.run(key, blocks, context, pages, [spare_slot] * b, [False] * b, [])
+                    out = graphs.run(key, blocks, context, pages, [spare_slot] * b, [False] * b, []) \
+                        if key is not None else None
+                    if out is not None:
                         moe = out.moe
                     else:
                         batch = ForwardBatch.build(blocks, context, pages, [spare_slot] * b, self.device)
@@ -212,11 +232,16 @@ class ModelRunner:
         if graphs is not None and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests):
             key = graphs.bucket(len(requests), starts[-1], max(len(b) for b in blocks),
                                 max(len(r.pages) for r in requests))
+        captures_before = self.captures_total()
         timer = _ForwardTimer(self.device)
+        out = None
         if key is not None:  # a captured graph: logits of every flat row, spans index them directly
             out = graphs.run(key, blocks, [r.context_len for r in requests], [r.pages for r in requests],
                              [r.slot for r in requests], [i not in drafts for i in range(len(requests))],
                              [starts[i + 1] - 1 for i in extra])
+            if out is None:  # the bucket failed to capture: this step (and the bucket's next ones) run eagerly
+                key = None
+        if out is not None:
             logits, hidden, moe = out.logits, out.hidden, out.moe
             captured = out.captured
             spans = {i: (starts[i + 1] - 1 - len(drafts.get(i, [])), starts[i + 1]) for i in spans}
@@ -276,7 +301,7 @@ class ModelRunner:
                                    r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
         # 5. what the latency model and the calibration learn from this step (a step that captured a graph
         # first is no measurement of the step: its time goes to the calibration only)
-        self.last_step_captured = captured
+        self.last_step_captured = captured or self.captures_total() > captures_before  # drafter, planner too
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], None if captured else timer.elapsed_ms(),
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
