@@ -7,6 +7,9 @@ router correction of extra tokens, distinct experts per MoE layer) and a second 
 tokens. Nothing inside a step synchronizes with the host: attention and GDN take the bucket's sizes as hints and
 read the real lengths from device tensors.
 
+Buckets also differ by page-table width (a power of two covering the longest context), since attention plans
+its KV splits for the table's full width.
+
 Padding, for a step of B requests and N tokens in bucket (Bb, Nb):
   rows 0..N-1          the real tokens, request by request (cu_seqlens as in the eager batch);
   requests B..Bb-1     zero tokens (their slots and pages are the spare ones no request owns);
@@ -30,6 +33,7 @@ from workers.cache import ModelCache, StepScratch
 from workers.model import HybridModel, MoEContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages share one)
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +56,7 @@ class BucketKey:
     requests: int  # Bb
     tokens: int  # Nb
     max_block: int  # 1 (plain decode) or the runner's largest block (verification)
+    pages: int = 0  # page-table width: a power of two >= MIN_TABLE_PAGES covering the longest context
 
 
 @dataclass
@@ -116,7 +121,9 @@ class StepGraphs:
         toks = next(t for t in self.tokens if t >= num_tokens)
         if reqs is None:
             return None
-        key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block)
+        # attention plans its KV splits for the table's width, so short contexts get a narrow table
+        pages = min(self.width, max(MIN_TABLE_PAGES, 1 << max(0, max_pages - 1).bit_length()))
+        key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block, pages)
         if key in self.failed or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
             return None
         return key
@@ -142,7 +149,7 @@ class StepGraphs:
             request_of_row=torch.full((nb,), r - 1, dtype=i64, device=device),
             cu_seqlens=torch.zeros(r + 1, dtype=i32, device=device),
             context_lens=torch.zeros(r, dtype=i32, device=device),
-            page_table=torch.full((r, self.width), self.spare_page, dtype=i32, device=device),
+            page_table=torch.full((r, key.pages), self.spare_page, dtype=i32, device=device),
             state_slots=torch.full((r,), self.spare_slot, dtype=i64, device=device),
             query_lens=[key.max_block] * r,  # size hints for the kernels; real lengths come from cu_seqlens
             context_lens_host=None,  # type: ignore[arg-type]  # attention plans for the full page-table width
@@ -229,7 +236,7 @@ class StepGraphs:
         positions = [c + j for c, t in zip(context_lens, lens) for j in range(t)] + [0] * (nb - n)
         owner = [i for i, t in enumerate(lens) for _ in range(t)]
         owner += [b + i for i, t in enumerate(pad_lens) for _ in range(t)]
-        table = torch.full((r, self.width), self.spare_page, dtype=torch.int32)
+        table = torch.full((r, key.pages), self.spare_page, dtype=torch.int32)
         for i, row in enumerate(page_rows):
             table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
         ints = torch.tensor(flat + positions + owner, dtype=torch.int64)
