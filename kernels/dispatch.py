@@ -126,3 +126,23 @@ def gated_rmsnorm(x, gate, weight, eps):
         return gated_rmsnorm_triton(x, gate, weight, eps)
     from kernels.norm import gated_rmsnorm_ref
     return gated_rmsnorm_ref(x, gate, weight, eps)
+
+
+# ------------------------------------------------------------------------------- small per-token ops (issue 6)
+
+def rope(x, cos, sin, rotary_dim):
+    """Rotate-half rotary embedding of [N, heads, D] (kernels.elementwise.rope_ref)."""
+    if use_triton(x):
+        from kernels.elementwise_triton import rope_triton
+        return rope_triton(x, cos, sin, rotary_dim)
+    from kernels.elementwise import rope_ref
+    return rope_ref(x, cos, sin, rotary_dim)
+
+
+def gdn_gates(a, b, neg_a, dt_bias):
+    """(g fp32 log decay, beta) of a GDN layer from its raw projections (kernels.elementwise.gdn_gates_ref)."""
+    if use_triton(a):
+        from kernels.elementwise_triton import gdn_gates_triton
+        return gdn_gates_triton(a, b, neg_a, dt_bias)
+    from kernels.elementwise import gdn_gates_ref
+    return gdn_gates_ref(a, b, neg_a, dt_bias)

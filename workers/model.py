@@ -136,13 +136,8 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [N, heads, D]; cos/sin [N, R]."""
-        r = self.rotary_dim
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        half = r // 2
-        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-        x_rot = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
-        return torch.cat((x_rot, x_pass), dim=-1)
+        """x [N, heads, D]; cos/sin [N, R] (kernels.elementwise.rope_ref)."""
+        return dispatch.rope(x, cos, sin, self.rotary_dim)
 
 
 class Attention(nn.Module):
@@ -209,9 +204,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
         v = v.reshape(n, self.hv, self.dv)
-        beta = torch.sigmoid(b)  # [N, HV]
-        neg_a = _derived(self, "_neg_a", self.A_log, lambda a: -a.float().exp())  # [HV]
-        g = neg_a * F.softplus(a.float() + self.dt_bias)  # [N, HV] log decay
+        neg_a = _derived(self, "_neg_a", self.A_log, lambda x: -x.float().exp())  # [HV]
+        g, beta = dispatch.gdn_gates(a, b, neg_a, self.dt_bias)  # [N, HV] fp32 log decay, [N, HV] beta
         o = dispatch.gdn(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots,
                     batch.max_query_len, write_state=write)  # [N, HV, DV]
         if scratch is not None:

@@ -1,5 +1,5 @@
-"""Triton RMS norms equal their PyTorch references (TRITON_INTERPRET=1, CPU, fp32), on contiguous rows, strided
-rows (the query half of a fused q/gate projection), odd widths and an empty batch.
+"""Triton RMS norms, rotary embedding and GDN gates equal their PyTorch references (TRITON_INTERPRET=1, CPU,
+fp32), on contiguous rows, strided rows (column blocks of a fused projection), odd widths and an empty batch.
 
 Run as a script by the test below (the interpreter must be set before triton is imported); prints one JSON line
 {case: max relative error}.
@@ -51,17 +51,37 @@ def main() -> None:
     o = torch.randn(5, 4, 16, generator=gen)
     w = 1.0 + 0.1 * torch.randn(16, generator=gen)
     out["gated_strided_gate"] = _rel(gated_rmsnorm_triton(o, z, w, 1e-6), gated_rmsnorm_ref(o, z, w, 1e-6))
+    from kernels.elementwise import gdn_gates_ref, rope_ref
+    from kernels.elementwise_triton import gdn_gates_triton, rope_triton
+
+    for n, heads, d, r in ((5, 3, 32, 8), (4, 2, 16, 16), (0, 2, 16, 8)):
+        x = torch.randn(n, heads, d, generator=gen)
+        ang = torch.randn(n, r // 2, generator=gen)
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        out[f"rope_{n}x{heads}x{d}_r{r}"] = _rel(rope_triton(x, cos, sin, r), rope_ref(x, cos, sin, r))
+    proj = torch.randn(6, 40, generator=gen)  # k as a column block of a fused projection, viewed [N, 2, 16]
+    k = proj[:, 4:36].view(6, 2, 16)
+    ang = torch.randn(6, 4, generator=gen)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    out["rope_strided"] = _rel(rope_triton(k, cos, sin, 8), rope_ref(k, cos, sin, 8))
+    proj = torch.randn(7, 20, generator=gen) * 8  # a, b as column blocks, softplus past its threshold too
+    a, b = proj[:, 10:15], proj[:, 15:20]
+    neg_a = -torch.rand(5, generator=gen) * 8
+    dt_bias = torch.randn(5, generator=gen)
+    g, beta = gdn_gates_triton(a, b, neg_a, dt_bias)
+    g_ref, beta_ref = gdn_gates_ref(a, b, neg_a, dt_bias)
+    out["gdn_gates_g"], out["gdn_gates_beta"] = _rel(g, g_ref), _rel(beta, beta_ref)
     print(json.dumps(out))
 
 
-def test_triton_norms_equal_references():
+def test_triton_small_kernels_equal_references():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = json.loads(lines[-1])
-    assert len(errors) == 9
+    assert len(errors) == 15
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
 

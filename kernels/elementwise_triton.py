@@ -1,0 +1,78 @@
+"""kernels/elementwise.py in Triton: one launch each instead of 6-8 PyTorch kernels (rotary embedding of q and of
+k in every attention layer, the two GDN gates in every GDN layer). Same signatures and roundings as the
+references; rows may be strided (column blocks of a fused projection), the last dimension must be contiguous."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, HEADS, D, s_x0, s_x1, s_c, s_o0, s_o1,
+                 R: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    n, h = pid // HEADS, pid % HEADS
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    base = x_ptr + n * s_x0 + h * s_x1
+    x = tl.load(base + cols, mask=mask, other=0.0)
+    dt = x.dtype
+    half: tl.constexpr = R // 2
+    in_rot = cols < R
+    partner = tl.where(cols < half, cols + half, cols - half)
+    xp = tl.load(base + partner, mask=in_rot, other=0.0).to(tl.float32)
+    rotated = tl.where(cols < half, -xp, xp).to(dt)  # negation is exact
+    c = tl.load(cos_ptr + n * s_c + cols, mask=in_rot, other=0.0)
+    s = tl.load(sin_ptr + n * s_c + cols, mask=in_rot, other=0.0)
+    t1 = (x.to(tl.float32) * c.to(tl.float32)).to(dt)  # the reference rounds after each op
+    t2 = (rotated.to(tl.float32) * s.to(tl.float32)).to(dt)
+    y = tl.where(in_rot, (t1.to(tl.float32) + t2.to(tl.float32)).to(dt), x)
+    tl.store(o_ptr + n * s_o0 + h * s_o1 + cols, y, mask=mask)
+
+
+def rope_triton(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """kernels.elementwise.rope_ref: x [N, heads, D] (any row strides), cos/sin [N, R] -> new [N, heads, D]."""
+    n, heads, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
+    if n * heads:
+        _rope_kernel[(n * heads,)](x, cos, sin, out, heads, d, x.stride(0), x.stride(1), cos.stride(0),
+                                   out.stride(0), out.stride(1), R=rotary_dim, BD=triton.next_power_of_2(d),
+                                   num_warps=1 if d <= 128 else 2)
+    return out
+
+
+@triton.jit
+def _gdn_gates_kernel(a_ptr, b_ptr, na_ptr, dtb_ptr, g_ptr, beta_ptr, HV, s_a, s_b, BH: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BH)
+    mask = h < HV
+    a = tl.load(a_ptr + n * s_a + h, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + n * s_b + h, mask=mask, other=0.0)
+    na = tl.load(na_ptr + h, mask=mask, other=0.0).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h, mask=mask, other=0.0).to(tl.float32)
+    z = a + dtb
+    softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))  # torch's threshold 20
+    tl.store(g_ptr + n * HV + h, na * softplus, mask=mask)
+    bf = b.to(tl.float32)
+    tl.store(beta_ptr + n * HV + h, (1.0 / (1.0 + tl.exp(-bf))).to(b.dtype), mask=mask)
+
+
+def gdn_gates_triton(a: Tensor, b: Tensor, neg_a: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """kernels.elementwise.gdn_gates_ref: a, b [N, HV] (any row stride) -> (g fp32, beta in b's dtype)."""
+    n, hv = a.shape
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if b.stride(-1) != 1:
+        b = b.contiguous()
+    g = torch.empty(n, hv, dtype=torch.float32, device=a.device)
+    beta = torch.empty(n, hv, dtype=b.dtype, device=b.device)
+    if n:
+        _gdn_gates_kernel[(n,)](a, b, neg_a, dt_bias, g, beta, hv, a.stride(0), b.stride(0),
+                                BH=triton.next_power_of_2(hv), num_warps=1)
+    return g, beta
