@@ -52,7 +52,7 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
         why = runner.enable_graphs(spec.num_slots, spec.graph_pages_per_request)
         if why is not None:
             log.warning("steps stay eager: %s", why)
-        elif isinstance(runner.drafter, DraftModelDrafter):
+        elif hasattr(runner.drafter, "enable_graphs"):  # the draft model's / MTP head's own steps
             runner.drafter.enable_graphs(spec.num_slots, spec.graph_pages_per_request, spec.max_verify_len + 1)
         elif isinstance(runner.drafter, ReplayDrafter) and runner.drafter.cost_model is not None:
             runner.drafter.cost_model.enable_graphs(spec.num_slots, spec.graph_pages_per_request,

@@ -89,3 +89,19 @@ def test_mtp_under_memory_pressure_preempts_and_stays_lossless(mtp_dir):
     assert [r.token_ids for r in out] == base
     assert sum(r.stats.preemptions for r in out) > 0
     assert llm.engine.memory.stats()["used_slots"] == 0
+
+
+def test_mtp_drafting_steps_through_graph_buckets_are_lossless(mtp_dir):
+    """The head's drafting steps go through its own graph buckets (padded static batches, run eagerly on CPU):
+    same tokens as plain decoding, and the same drafts as the eager head."""
+    from test_speculative import with_static_graphs
+
+    sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    base = [r.token_ids for r in LLM(model=str(mtp_dir)).generate(PROMPTS, sp)]
+    eager = LLM(model=str(mtp_dir), spec="mtp", policy="fixed", max_verify_len=3).generate(PROMPTS, sp)
+    llm = with_static_graphs(LLM(model=str(mtp_dir), spec="mtp", policy="fixed", max_verify_len=3))
+    out = llm.generate(PROMPTS, sp)
+    assert [r.token_ids for r in out] == base
+    assert [(r.stats.draft_tokens, r.stats.accepted_tokens) for r in out] == \
+        [(r.stats.draft_tokens, r.stats.accepted_tokens) for r in eager]
+    assert llm.engine.executor.runner.drafter.graphs.graphs  # the head's graph path really ran

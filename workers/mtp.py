@@ -24,7 +24,7 @@ from workers.batch import ForwardBatch
 from workers.cache import ModelCache
 from workers.config import FULL_ATTENTION, ModelConfig
 from workers.drafters import Drafter, DraftRequest, Proposal, sample_drafts
-from workers.model import DecoderLayer, HybridModel, Linear, RMSNorm, RotaryEmbedding
+from workers.model import DecoderLayer, HybridModel, Linear, MoEContext, RMSNorm, RotaryEmbedding
 from workers.weights import Checkpoint, load_weights
 
 
@@ -56,15 +56,36 @@ class MTPHead(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
 
     @torch.inference_mode()
-    def forward(self, embed: Tensor, hidden: Tensor, batch: ForwardBatch, cache: ModelCache) -> Tensor:
+    def forward(self, embed: Tensor, hidden: Tensor, batch: ForwardBatch, cache: ModelCache,
+                moe: MoEContext | None = None) -> Tensor:
         """embed [N, H] = embeddings of the input tokens, hidden [N, H] = the paired hidden states.
         Returns the head's normed output m [N, H] (writes the head's KV for every row)."""
         u = torch.cat([self.mtp.pre_fc_norm_embedding(embed), self.mtp.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.mtp.fc(u)
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         for layer, state in zip(self.mtp.layers, cache.layers):
-            x = layer(x, batch, state, cos, sin)
+            x = layer(x, batch, state, cos, sin, moe=moe)
         return self.mtp.norm(x)
+
+
+class _HeadStep(nn.Module):
+    """The MTP head with HybridModel's step signature, so workers/graphs.py can capture its drafting steps: the
+    paired hidden states come from a static buffer (`hidden_in`, filled before each replay), the output is the
+    head's m (as the "hidden" output) and its logits through the target's LM head (into the graphs' buffer)."""
+
+    def __init__(self, head: MTPHead, target: HybridModel, max_rows: int):
+        super().__init__()
+        self.head, self.target = head, target
+        self.config, self.dtype, self.device = target.config, target.dtype, target.device
+        self.hidden_in = torch.zeros(max_rows, target.config.hidden_size, dtype=target.dtype, device=target.device)
+
+    def forward(self, batch: ForwardBatch, cache: ModelCache, logit_rows=None, write=True, scratch=None,
+                return_hidden: bool = False, moe: MoEContext | None = None, all_rows_into: Tensor | None = None):
+        n = batch.input_ids.shape[0]
+        embed = F.embedding(batch.input_ids, self.target.model.embed_tokens.weight)
+        m = self.head(embed, self.hidden_in[:n], batch, cache, moe)
+        logits = all_rows_into.copy_(F.linear(m, self.target.lm_head_weight()))
+        return (logits, m) if return_hidden else logits
 
 
 class MTPDrafter(Drafter):
@@ -81,9 +102,24 @@ class MTPDrafter(Drafter):
         self.target = target
         self.head = MTPHead(target.config, layers, target.dtype, target.device)
         load_weights(self.head, model_dir, scope="mtp")
-        self.cache = ModelCache(self.head.config, num_pages, page_size, num_slots, target.dtype, target.device)
+        # one spare page and slot past the mirrored ranges: padding of captured graphs
+        self.cache = ModelCache(self.head.config, num_pages + 1, page_size, num_slots + 1, target.dtype,
+                                target.device)
         self.pairs: dict[str, int] = {}  # pairs in the head's cache (= committed tokens - 1)
         self.last_hidden: dict[str, Tensor] = {}  # target hidden state of the last committed token
+        self.graphs = None  # StepGraphs over _HeadStep for the drafting steps (enable_graphs)
+        self._step: _HeadStep | None = None
+
+    def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
+        """CUDA graphs for drafting steps (one token per request, `capture=False`: the same padded batches
+        eagerly, for tests). Observing committed tokens stays eager (its blocks are as long as a prefill)."""
+        from workers.graphs import StepGraphs
+
+        self._step = _HeadStep(self.head, self.target, max_batch * max_block)
+        self.graphs = StepGraphs(self._step, self.cache, max_block=max_block, spare_page=self.cache.num_pages - 1,
+                                 spare_slot=self.cache.num_slots - 1, page_table_width=max_pages_per_request,
+                                 max_tokens=max_batch * max_block, return_hidden=True, capture=capture,
+                                 commits=False)
 
     def _embed(self, tokens: list[int]) -> Tensor:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.target.device)
@@ -131,16 +167,28 @@ class MTPDrafter(Drafter):
         inputs = {r.request_id: (r.token_ids[-1], self.last_hidden[r.request_id]) for r in live}
         step = 0
         while live:
-            m = self._run([[inputs[r.request_id][0]] for r in live], [inputs[r.request_id][1][None] for r in live],
-                          [r.num_cached - 1 + step for r in live], [(r.pages, r.slot) for r in live])
-            logits = F.linear(m, self.target.lm_head_weight())  # [B, V]
+            tokens_in = [[inputs[r.request_id][0]] for r in live]
+            hiddens_in = [inputs[r.request_id][1][None] for r in live]
+            starts = [r.num_cached - 1 + step for r in live]
+            out = None
+            if self.graphs is not None:
+                key = self.graphs.bucket(len(live), len(live), 1, max(len(r.pages) for r in live))
+                if key is not None:
+                    self._step.hidden_in[:len(live)].copy_(torch.cat(hiddens_in))
+                    out = self.graphs.run(key, tokens_in, starts, [r.pages for r in live], [r.slot for r in live],
+                                          [True] * len(live), [])
+            if out is not None:  # rows == requests (one token each)
+                m, logits = out.hidden, out.logits
+            else:
+                m = self._run(tokens_in, hiddens_in, starts, [(r.pages, r.slot) for r in live])
+                logits = F.linear(m, self.target.lm_head_weight())  # [B, V]
             toks, dists, cs = sample_drafts(logits, live)
             for i, (r, tok, dist, c) in enumerate(zip(live, toks, dists, cs)):
                 tokens[r.request_id].append(tok)
                 conf[r.request_id].append(c)
                 if dist is not None:
                     probs[r.request_id].append(dist)
-                inputs[r.request_id] = (tok, m[i])
+                inputs[r.request_id] = (tok, m[i].clone())  # (a graph's output buffer is reused next step)
             step += 1
             live = [r for r in live if len(tokens[r.request_id]) < r.k]
         return Proposal([tokens[r.request_id] for r in requests], [conf[r.request_id] for r in requests],
