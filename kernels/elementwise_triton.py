@@ -12,7 +12,7 @@ from torch import Tensor
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, HEADS, D, s_x0, s_x1, s_c, s_o0, s_o1,
-                 R: tl.constexpr, BD: tl.constexpr):
+                 R: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     n, h = pid // HEADS, pid % HEADS
     cols = tl.arange(0, BD)
@@ -20,11 +20,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, HEADS, D, s_x0, s_x1, s_c, s_o0
     base = x_ptr + n * s_x0 + h * s_x1
     x = tl.load(base + cols, mask=mask, other=0.0)
     dt = x.dtype
-    half: tl.constexpr = R // 2
     in_rot = cols < R
-    partner = tl.where(cols < half, cols + half, cols - half)
+    partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
     xp = tl.load(base + partner, mask=in_rot, other=0.0).to(tl.float32)
-    rotated = tl.where(cols < half, -xp, xp).to(dt)  # negation is exact
+    rotated = tl.where(cols < HALF, -xp, xp).to(dt)  # negation is exact
     c = tl.load(cos_ptr + n * s_c + cols, mask=in_rot, other=0.0)
     s = tl.load(sin_ptr + n * s_c + cols, mask=in_rot, other=0.0)
     t1 = (x.to(tl.float32) * c.to(tl.float32)).to(dt)  # the reference rounds after each op
@@ -42,7 +41,8 @@ def rope_triton(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
     out = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
     if n * heads:
         _rope_kernel[(n * heads,)](x, cos, sin, out, heads, d, x.stride(0), x.stride(1), cos.stride(0),
-                                   out.stride(0), out.stride(1), R=rotary_dim, BD=triton.next_power_of_2(d),
+                                   out.stride(0), out.stride(1), R=rotary_dim, HALF=rotary_dim // 2,
+                                   BD=triton.next_power_of_2(d),
                                    num_warps=1 if d <= 128 else 2)
     return out
 
