@@ -268,7 +268,12 @@ def _rank_main(rank: int, world: int, port: int, args, result_path: str) -> None
     me.setup(prompts_by_conc)
     rows, tokens = [], {}
     for conc in concs:
-        if time.perf_counter() - t_start > args.time_limit_s:
+        over = [time.perf_counter() - t_start > args.time_limit_s]
+        if me.objects is not None:  # one decision for all ranks (rank 0's clock), else they would leave apart
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(over, src=0, group=me.objects)
+        if over[0]:
             if rank == 0:
                 log(f"world {world}: time limit, skipping concurrency {conc}")
             break

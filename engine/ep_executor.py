@@ -130,6 +130,10 @@ class ExpertParallelExecutor:
 
     def execute(self, requests: list[StepRequest]) -> StepResult:
         self._ensure()
+        orphans = [r.request_id for r in requests if r.context_len > 0 and r.request_id not in self.owner]
+        if orphans:  # their KV/GDN state was on a group that is gone (lost while the engine was between steps)
+            raise WorkerLost(f"{len(orphans)} running request(s) lost their state with a rebuilt expert-parallel "
+                             "group")
         per_rank: list[list[StepRequest]] = [[] for _ in range(self.world_size)]
         for r in requests:
             per_rank[self._rank_of(r.request_id)].append(r)
@@ -140,6 +144,7 @@ class ExpertParallelExecutor:
             merged.draft_tokens.update(result.draft_tokens)
             merged.accepted_tokens.update(result.accepted_tokens)
         merged.step_ms = max(result.step_ms for result, _ in replies)
+        merged.policy_stats = next((result.policy_stats for result, _ in replies if result.policy_stats), {})
         self.last_rank_ms = [ms for _, ms in replies]
         return merged
 

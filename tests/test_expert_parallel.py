@@ -286,3 +286,17 @@ def test_bench_tiny_runs_on_cpu_with_gloo(tmp_path):
     assert rows[(2, "hybridspec")]["greedy_match_vs_ar"] == 1.0 and rows[(2, "hybridspec")]["draft_tokens"] > 0
     assert 0.0 < rows[(2, "ar")]["comm_share"] < 1.0 and rows[(1, "ar")]["comm_share"] == 0.0
     assert "| policy | conc |" in proc.stdout
+
+
+def test_requests_whose_group_was_rebuilt_between_steps_fail_instead_of_running_on_empty_state():
+    """A lost rank found outside a step (e.g. by worker_pids) rebuilds the group with fresh pools; running requests
+    that then arrive with cached context must fail (UNAVAILABLE), not continue on zeroed KV/GDN state."""
+    from engine.ep_executor import ExpertParallelExecutor
+    from engine.executor import WorkerLost
+    from scheduler.types import SamplingParams, StepRequest
+
+    ex = ExpertParallelExecutor.__new__(ExpertParallelExecutor)  # the bookkeeping only: no Ray actors
+    ex.world_size, ex.actors, ex._lost, ex.owner, ex.load = 2, ["rank0", "rank1"], False, {}, [0, 0]
+    running = StepRequest("r1", [5], 12, [0], 0, True, SamplingParams(), 0, [])
+    with pytest.raises(WorkerLost, match="lost their state"):
+        ex.execute([running])

@@ -175,7 +175,8 @@ class ExpertParallelMoE:
         if token_mask is not None:
             key = torch.where(token_mask.repeat_interleave(top_k), key, num_experts)
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]  # rows per expert position
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=x.device).index_add_(
+            0, key, torch.ones_like(key))[:num_experts]  # rows per expert position (bincount would read its max)
         recv_counts = torch.empty(world * shard.num_local[me], dtype=counts.dtype, device=x.device)
         self._timed(lambda: dist.all_to_all_single(recv_counts, counts, [shard.num_local[me]] * world,
                                                    shard.num_local, group=group), x.device)
@@ -196,9 +197,9 @@ class ExpertParallelMoE:
         back = x.new_empty(n_send, hidden)
         self._timed(lambda: dist.all_to_all_single(back, y.contiguous(), send_splits, recv_splits, group=group),
                     x.device)
-        out = torch.zeros_like(x)
-        out.index_add_(0, tokens, back * weights.reshape(-1)[pairs, None])
-        return out
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # top-k summed in fp32, rounded once
+        out.index_add_(0, tokens, back.float() * weights.reshape(-1)[pairs, None].float())
+        return out.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ model surgery
@@ -272,7 +273,7 @@ def init_group(rank: int, world_size: int, init_method: str, device: str, timeou
     backend."""
     on_gpu = device.startswith("cuda")
     if on_gpu:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # forced: an inherited 1 would turn multicast on
         torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" in a Ray actor: its one visible GPU
     if init_method.startswith("tcp://127.0.0.1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback deployments (and gloo side groups)
@@ -337,6 +338,8 @@ class ExpertParallelActor:
         self.backend = init_group(rank, world_size, init_method, device, timeout_s)
         self.runner = factory()
         self.runner.graph_config = None  # no CUDA graphs: the exchange reads its split sizes on the host
+        self.runner.planner_graphs = True  # the planner runs no collectives: its graph stays (CUDA only)
+        self.runner.policy.planner.capture = self.runner.device.type == "cuda"
         self.shards = shard_model_(self.runner.model, placement=placement)
         self.incarnation = uuid.uuid4().hex
 

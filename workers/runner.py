@@ -62,15 +62,17 @@ class ModelRunner:
         self.draft_generators: dict[str, torch.Generator | None] = {}
         self.graph_config: tuple[int, int] | None = None  # (max batch, page-table width) once enabled
         self._graph_capture = True
+        self.planner_graphs: bool | None = None  # None: the planner is graphed when the steps are
         self._steps = 0
         self._graphs: OrderedDict[tuple, StepGraphs] = OrderedDict()  # per (policy flags, drafter needs), LRU
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
         self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
-        # the planner's graphs follow the runner's (cuda_graphs=False: everything eager)
-        self.policy.planner.capture = self.graph_config is not None and self._graph_capture \
-            and self.device.type == "cuda"
+        # the planner's graphs follow the runner's (cuda_graphs=False: everything eager), unless set on their own
+        self.policy.planner.capture = self.device.type == "cuda" and (
+            self.planner_graphs if self.planner_graphs is not None
+            else self.graph_config is not None and self._graph_capture)
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
