@@ -146,3 +146,21 @@ def gdn_gates(a, b, neg_a, dt_bias):
         return gdn_gates_triton(a, b, neg_a, dt_bias)
     from kernels.elementwise import gdn_gates_ref
     return gdn_gates_ref(a, b, neg_a, dt_bias)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up (kernels.elementwise.silu_mul_ref)."""
+    if use_triton(gate):
+        from kernels.elementwise_triton import silu_mul_triton
+        return silu_mul_triton(gate, up)
+    from kernels.elementwise import silu_mul_ref
+    return silu_mul_ref(gate, up)
+
+
+def moe_residual(x, routed, gate_logit, shared):
+    """x + (routed + sigmoid(gate_logit) * shared) (kernels.elementwise.moe_residual_ref)."""
+    if use_triton(x):
+        from kernels.elementwise_triton import moe_residual_triton
+        return moe_residual_triton(x, routed, gate_logit, shared)
+    from kernels.elementwise import moe_residual_ref
+    return moe_residual_ref(x, routed, gate_logit, shared)

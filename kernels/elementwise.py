@@ -22,3 +22,14 @@ def gdn_gates_ref(a: Tensor, b: Tensor, neg_a: Tensor, dt_bias: Tensor) -> tuple
     """Gated DeltaNet gates from the raw projections a, b [N, HV]: (g [N, HV] fp32 log decay
     = neg_a * softplus(a + dt_bias), beta [N, HV] = sigmoid(b) in b's dtype). neg_a = -exp(A_log) [HV] fp32."""
     return neg_a * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, [N, I] (an MLP's activation)."""
+    return F.silu(gate) * up
+
+
+def moe_residual_ref(x: Tensor, routed: Tensor, gate_logit: Tensor, shared: Tensor) -> Tensor:
+    """The end of a MoE layer: x + (routed + sigmoid(gate_logit) * shared). x, routed, shared [N, H]; gate_logit
+    [N, 1] (the shared expert's gate)."""
+    return x + (routed + torch.sigmoid(gate_logit) * shared)

@@ -76,3 +76,57 @@ def gdn_gates_triton(a: Tensor, b: Tensor, neg_a: Tensor, dt_bias: Tensor) -> tu
         _gdn_gates_kernel[(n,)](a, b, neg_a, dt_bias, g, beta, hv, a.stride(0), b.stride(0),
                                 BH=triton.next_power_of_2(hv), num_warps=1)
     return g, beta
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, I, s_g, s_u, s_o, BI: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    mask = cols < I
+    g = tl.load(g_ptr + n * s_g + cols, mask=mask, other=0.0)
+    u = tl.load(u_ptr + n * s_u + cols, mask=mask, other=0.0)
+    dt = g.dtype
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dt)  # F.silu rounds to the dtype, then the product does
+    tl.store(o_ptr + n * s_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=mask)
+
+
+def silu_mul_triton(gate: Tensor, up: Tensor) -> Tensor:
+    """kernels.elementwise.silu_mul_ref: gate, up [N, I] (any row strides) -> new [N, I]."""
+    n, inner = gate.shape
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    up = up if up.stride(-1) == 1 else up.contiguous()
+    out = torch.empty(n, inner, dtype=gate.dtype, device=gate.device)
+    if n:
+        bi = min(1024, triton.next_power_of_2(inner))
+        _silu_mul_kernel[(n, triton.cdiv(inner, bi))](gate, up, out, inner, gate.stride(0), up.stride(0),
+                                                       out.stride(0), BI=bi, num_warps=4)
+    return out
+
+
+@triton.jit
+def _moe_residual_kernel(x_ptr, r_ptr, gl_ptr, s_ptr, o_ptr, H, s_x, s_r, s_gl, s_s, s_o, BH: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask = cols < H
+    x = tl.load(x_ptr + n * s_x + cols, mask=mask, other=0.0)
+    dt = x.dtype
+    r = tl.load(r_ptr + n * s_r + cols, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(s_ptr + n * s_s + cols, mask=mask, other=0.0).to(tl.float32)
+    gl = tl.load(gl_ptr + n * s_gl).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-gl))).to(dt).to(tl.float32)  # the reference rounds after every op
+    m = (r + (gate * sh).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(o_ptr + n * s_o + cols, (x.to(tl.float32) + m).to(dt), mask=mask)
+
+
+def moe_residual_triton(x: Tensor, routed: Tensor, gate_logit: Tensor, shared: Tensor) -> Tensor:
+    """kernels.elementwise.moe_residual_ref: x + (routed + sigmoid(gate_logit) * shared) in one launch."""
+    n, h = x.shape
+    x, routed, shared = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, routed, shared))
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if n:
+        bh = min(1024, triton.next_power_of_2(h))
+        _moe_residual_kernel[(n, triton.cdiv(h, bh))](x, routed, gate_logit, shared, out, h, x.stride(0),
+                                                      routed.stride(0), gate_logit.stride(0), shared.stride(0),
+                                                      out.stride(0), BH=bh, num_warps=4)
+    return out

@@ -71,6 +71,14 @@ def main() -> None:
     g, beta = gdn_gates_triton(a, b, neg_a, dt_bias)
     g_ref, beta_ref = gdn_gates_ref(a, b, neg_a, dt_bias)
     out["gdn_gates_g"], out["gdn_gates_beta"] = _rel(g, g_ref), _rel(beta, beta_ref)
+    from kernels.elementwise import moe_residual_ref, silu_mul_ref
+    from kernels.elementwise_triton import moe_residual_triton, silu_mul_triton
+
+    fused = torch.randn(5, 2 * 24 + 1, generator=gen) * 3  # gate, up and the gate logit of one fused GEMM
+    gate, up, logit = fused[:, :24], fused[:, 24:48], fused[:, 48:]
+    out["silu_mul_strided"] = _rel(silu_mul_triton(gate, up), silu_mul_ref(gate, up))
+    x, routed, shared = (torch.randn(5, 40, generator=gen) for _ in range(3))
+    out["moe_residual"] = _rel(moe_residual_triton(x, routed, logit, shared), moe_residual_ref(x, routed, logit, shared))
     print(json.dumps(out))
 
 
@@ -81,7 +89,7 @@ def test_triton_small_kernels_equal_references():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = json.loads(lines[-1])
-    assert len(errors) == 15
+    assert len(errors) == 17
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
 

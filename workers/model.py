@@ -256,18 +256,29 @@ class SparseMoe(nn.Module):
         weights, ids = dispatch.route(logits, self.top_k, self.renormalize)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: Tensor, ctx: MoEContext | None = None) -> Tensor:
+    def forward(self, x: Tensor, ctx: MoEContext | None = None, residual: Tensor | None = None) -> Tensor:
+        """routed + shared expert output [N, H]; plus `residual` when given (fused into the last kernel)."""
         weights, ids = self.route(x)
         if self.ep is not None:  # routed experts on their owners' ranks (all-to-all), shared expert here
-            return self.ep(self, x, weights, ids, ctx)
+            out = self.ep(self, x, weights, ids, ctx)
+            return out if residual is None else residual + out
         token_mask = ctx.mask_for(ids, self.experts.gate_up_proj.shape[0]) if ctx is not None else None
         routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
-        return routed + self.shared_output(x)
+        gate_logit, shared = self._shared(x)
+        if residual is None:
+            return routed + torch.sigmoid(gate_logit) * shared
+        return dispatch.moe_residual(residual, routed, gate_logit, shared)
+
+    def _shared(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(gate logit [N, 1], ungated shared-expert output [N, H]): one GEMM for its gate/up projections and
+        its own gate logit, one launch for the activation."""
+        gate, up, gate_logit = self.shared_in(x)
+        return gate_logit, self.shared_expert.down_proj(dispatch.silu_mul(gate, up))
 
     def shared_output(self, x: Tensor) -> Tensor:
-        """The shared expert, gated: one GEMM for its gate/up projections and its own gate logit."""
-        gate, up, gate_logit = self.shared_in(x)
-        return torch.sigmoid(gate_logit) * self.shared_expert.down_proj(F.silu(gate) * up)
+        """The shared expert, gated."""
+        gate_logit, shared = self._shared(x)
+        return torch.sigmoid(gate_logit) * shared
 
 
 class DecoderLayer(nn.Module):
@@ -295,7 +306,9 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, batch, state, write, scratch, layer_index)
         x = x + h
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, moe) if isinstance(self.mlp, SparseMoe) else self.mlp(h))
+        if isinstance(self.mlp, SparseMoe):
+            return self.mlp(h, moe, residual=x)  # x + experts, the residual add fused into the MoE's last kernel
+        return x + self.mlp(h)
 
 
 class HybridModel(nn.Module):
