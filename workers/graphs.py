@@ -22,7 +22,7 @@ same static batches run eagerly: that path checks the padding on machines withou
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -66,7 +66,6 @@ class StepOutputs:
     logits: Tensor  # [N, V] fp32, flat rows (every token of the step, padding cut off)
     hidden: Tensor | None  # [N, H] final-normed hidden states (drafters that need them)
     moe: MoEContext | None  # token_mask [Nb], distinct_experts, expert_counts
-    key: BucketKey
     captured: bool = False  # this call captured the bucket's graphs first (its time is no step time)
 
 
@@ -83,7 +82,6 @@ class _Graph:
     hidden: Tensor | None
     forward: torch.cuda.CUDAGraph | None = None
     commit: torch.cuda.CUDAGraph | None = None
-    stats: dict = field(default_factory=dict)
 
 
 class StepGraphs:
@@ -154,7 +152,11 @@ class StepGraphs:
             query_lens=[key.max_block] * r,  # size hints for the kernels; real lengths come from cu_seqlens
             context_lens_host=None,  # type: ignore[arg-type]  # attention plans for the full page-table width
         )
-        self._capture_layout(batch, r, nb, key.max_block)
+        # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
+        # requests, on the spare page and slot
+        lens = self._padding_lens(0, r, nb, key.max_block)
+        batch.cu_seqlens.copy_(torch.tensor([0] + lens).cumsum(0).to(i32))
+        batch.request_of_row.copy_(torch.repeat_interleave(torch.arange(r), torch.tensor(lens)))
         g = _Graph(batch=batch, write=torch.zeros(r, dtype=torch.bool, device=device),
                    extra_rows=torch.zeros(nb, dtype=torch.bool, device=device),
                    row_mask=torch.zeros(nb, dtype=torch.bool, device=device),
@@ -196,18 +198,6 @@ class StepGraphs:
         self.model.commit(g.batch, self.cache, g.scratch, g.keep)
 
     # ------------------------------------------------------------------------------------------ steps
-    @staticmethod
-    def _capture_layout(batch: ForwardBatch, r: int, nb: int, max_block: int) -> None:
-        """Any valid layout for the capture (a used bucket always has nb <= r * max_block): up to max_block
-        tokens per request, all on the spare page and slot."""
-        lens, rest = [], nb
-        for _ in range(r):
-            lens.append(min(rest, max_block))
-            rest -= lens[-1]
-        cu = torch.tensor([0] + lens).cumsum(0)
-        batch.cu_seqlens.copy_(cu.to(torch.int32))
-        batch.request_of_row.copy_(torch.repeat_interleave(torch.arange(r), torch.tensor(lens)))
-
     def run(self, key: BucketKey, blocks: list[list[int]], context_lens: list[int], page_rows: list[list[int]],
             slots: list[int], write: list[bool], extra_rows: list[int]) -> StepOutputs | None:
         """One step in bucket `key` (captured first if new). None if the capture failed (out of memory, a kernel
@@ -263,7 +253,7 @@ class StepGraphs:
             self._forward(g, self._keeps_commit(key))
         else:
             g.forward.replay()
-        return StepOutputs(g.logits[:n], g.hidden[:n] if g.hidden is not None else None, g.moe, key, captured)
+        return StepOutputs(g.logits[:n], g.hidden[:n] if g.hidden is not None else None, g.moe, captured)
 
     def _padding_lens(self, b: int, r: int, pad: int, max_block: int) -> list[int]:
         """Tokens of requests b..r-1: zero for the first ones, the padding (<= max_block each) in the last."""

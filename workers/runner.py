@@ -69,7 +69,16 @@ class ModelRunner:
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
         self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
-        # the planner's graphs follow the runner's (cuda_graphs=False: everything eager), unless set on their own
+        self._sync_planner_graphs()
+
+    def set_planner_graphs(self, on: bool | None) -> None:
+        """Graph the planner (True), never (False), or as the steps are (None)."""
+        self.planner_graphs = on
+        self._sync_planner_graphs()
+
+    def _sync_planner_graphs(self) -> None:
+        """The planner's graphs follow the runner's (cuda_graphs=False: everything eager), unless set on their
+        own (`planner_graphs`, e.g. under expert parallelism, where the steps cannot be graphed)."""
         self.policy.planner.capture = self.device.type == "cuda" and (
             self.planner_graphs if self.planner_graphs is not None
             else self.graph_config is not None and self._graph_capture)
@@ -95,7 +104,7 @@ class ModelRunner:
         self.graph_config = (max_batch, max_pages_per_request)
         self._graph_capture = capture
         self._graphs.clear()  # sets built for another configuration
-        self.policy.planner.capture = capture and self.device.type == "cuda"
+        self._sync_planner_graphs()
         if warm:
             try:
                 graphs = self.step_graphs()
@@ -107,6 +116,7 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - eager still works; say why
                 self.graph_config = None
                 self._graphs.clear()
+                self._sync_planner_graphs()
                 return f"capture failed: {type(e).__name__}: {e}"
         return None
 
