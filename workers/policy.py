@@ -135,16 +135,14 @@ class LengthPolicy:
     def observe_profile(self, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         """One synthetic step of the start-up profile (ModelRunner.profile): latency model, token costs and
         routing statistics learn from it; calibration does not (no drafts were verified)."""
-        comp = StepComposition(obs.tokens_per_request, obs.context_lens, self.num_moe_layers,
-                               obs.distinct_experts if self.num_moe_layers and obs.distinct_experts else None)
-        self.latency.observe(comp, obs.forward_ms)
-        self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
+        self._learn_step_time(obs)
         if expert_counts:
             self.estimator.observe_counts(torch.stack(expert_counts).float().cpu().tolist())
             self._touch = None
 
     def finish_profile(self) -> bool:
-        """Fits the latency model on the profile; from then on the learned policies plan without exploring."""
+        """Fits the latency model on all the profile's samples; from then on the learned policies plan without
+        exploring."""
         if len(self.latency.samples) >= self.latency.min_samples:
             self.latency.fit()
         self.profiled = self.latency.fitted
@@ -181,13 +179,7 @@ class LengthPolicy:
 
     def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         self.steps += 1
-        comp = StepComposition(obs.tokens_per_request, obs.context_lens, self.num_moe_layers,
-                               obs.distinct_experts if self.num_moe_layers and obs.distinct_experts else None)
-        if obs.forward_ms is not None:
-            self.latency.observe(comp, obs.forward_ms)
-            if not self.latency.fitted and len(self.latency.samples) >= self.latency.min_samples:
-                self.latency.fit()
-            self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
+        self._learn_step_time(obs)
         if drafter is not None and obs.verified:
             self.calibrator.observe_step(drafter, obs.verified)
         if expert_counts:  # routing popularity, folded in every few steps (pure Python, a few ms)
@@ -198,6 +190,17 @@ class LengthPolicy:
                 self.estimator.observe_counts(total.tolist())
                 self._pending_counts = None
                 self._touch = None  # refreshed from the new routing statistics at the next plan
+
+    def _learn_step_time(self, obs: StepObservation) -> None:
+        """The latency model and the token-cost table learn a measured step (forward_ms None: not a measurement)."""
+        if obs.forward_ms is None:
+            return
+        comp = StepComposition(obs.tokens_per_request, obs.context_lens, self.num_moe_layers,
+                               obs.distinct_experts if self.num_moe_layers and obs.distinct_experts else None)
+        self.latency.observe(comp, obs.forward_ms)
+        if not self.latency.fitted and len(self.latency.samples) >= self.latency.min_samples:
+            self.latency.fit()
+        self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
