@@ -52,11 +52,8 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
         why = runner.enable_graphs(spec.num_slots, spec.graph_pages_per_request)
         if why is not None:
             log.warning("steps stay eager: %s", why)
-        elif hasattr(runner.drafter, "enable_graphs"):  # the draft model's / MTP head's own steps
+        elif hasattr(runner.drafter, "enable_graphs"):  # a draft model's / MTP head's / replay cost's own steps
             runner.drafter.enable_graphs(spec.num_slots, spec.graph_pages_per_request, spec.max_verify_len + 1)
-        elif isinstance(runner.drafter, ReplayDrafter) and runner.drafter.cost_model is not None:
-            runner.drafter.cost_model.enable_graphs(spec.num_slots, spec.graph_pages_per_request,
-                                                    spec.max_verify_len + 1)
     if spec.startup_profile:
         fitted = runner.profile(spec.num_slots)
         log.info("start-up profile: %s", fitted)

@@ -122,6 +122,11 @@ class ReplayDrafter(Drafter):
         self._matched: dict[str, tuple[int, list[int]] | None] = {}
         self.cost_model = cost_model
 
+    def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
+        """The cost model's forwards in CUDA graphs (see DraftModelDrafter.enable_graphs)."""
+        if self.cost_model is not None:
+            self.cost_model.enable_graphs(max_batch, max_pages_per_request, max_block, capture)
+
     def set_reference(self, prompt_ids: list[int], continuation: list[int]) -> None:
         self.references[tuple(prompt_ids)] = list(continuation)
 
@@ -180,12 +185,10 @@ class DraftModelDrafter(Drafter):
     def _forward(self, blocks: list[list[int]], contexts: list[int], requests: list[DraftRequest]) -> Tensor:
         """[B, V] logits at each block's last token; every request's state advances."""
         if self.graphs is not None:
-            lens = [len(b) for b in blocks]
-            key = self.graphs.bucket(len(blocks), sum(lens), max(lens), max(len(r.pages) for r in requests))
-            out = self.graphs.run(key, blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
-                                  [True] * len(blocks), []) if key is not None else None
-            if out is not None:  # None: the bucket could not be captured, run eagerly
-                last = torch.tensor(lens, device=out.logits.device).cumsum(0) - 1
+            out = self.graphs.step(blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
+                                   [True] * len(blocks))
+            if out is not None:  # None: no bucket holds the blocks (or it could not be captured): eager
+                last = torch.tensor([len(b) for b in blocks], device=out.logits.device).cumsum(0) - 1
                 return out.logits.index_select(0, last)
         batch = ForwardBatch.build(blocks, contexts, [r.pages for r in requests], [r.slot for r in requests],
                                    self.model.device)
@@ -256,13 +259,10 @@ class DraftModelDrafter(Drafter):
     def spend_forward(self, requests: list[DraftRequest], tokens: list[list[int]]) -> None:
         """The replay drafter's cost: one forward of each drafted block through this model, keeping no state."""
         blocks = [[r.token_ids[-1]] + t for r, t in zip(requests, tokens)]
-        if self.graphs is not None:
-            key = self.graphs.bucket(len(blocks), sum(map(len, blocks)), max(map(len, blocks)),
-                                     max(len(r.pages) for r in requests))
-            if key is not None and self.graphs.run(key, blocks, [r.num_cached for r in requests],
-                                                   [r.pages for r in requests], [r.slot for r in requests],
-                                                   [False] * len(blocks), []) is not None:
-                return
+        if self.graphs is not None and self.graphs.step(blocks, [r.num_cached for r in requests],
+                                                        [r.pages for r in requests], [r.slot for r in requests],
+                                                        [False] * len(blocks)) is not None:
+            return
         batch = ForwardBatch.build(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
                                    [r.slot for r in requests], self.model.device)
         self.model(batch, self.cache, write=False, scratch=StepScratch({}))

@@ -198,6 +198,15 @@ class StepGraphs:
         self.model.commit(g.batch, self.cache, g.scratch, g.keep)
 
     # ------------------------------------------------------------------------------------------ steps
+    def step(self, blocks: list[list[int]], context_lens: list[int], page_rows: list[list[int]], slots: list[int],
+             write: list[bool], extra_rows: list[int] | None = None) -> StepOutputs | None:
+        """`run` in the blocks' bucket; None when no bucket holds them or its capture failed (run eagerly)."""
+        lens = [len(b) for b in blocks]
+        key = self.bucket(len(blocks), sum(lens), max(lens), max(len(p) for p in page_rows))
+        if key is None:
+            return None
+        return self.run(key, blocks, context_lens, page_rows, slots, write, extra_rows or [])
+
     def run(self, key: BucketKey, blocks: list[list[int]], context_lens: list[int], page_rows: list[list[int]],
             slots: list[int], write: list[bool], extra_rows: list[int]) -> StepOutputs | None:
         """One step in bucket `key` (captured first if new). None if the capture failed (out of memory, a kernel

@@ -172,11 +172,9 @@ class MTPDrafter(Drafter):
             starts = [r.num_cached - 1 + step for r in live]
             out = None
             if self.graphs is not None:
-                key = self.graphs.bucket(len(live), len(live), 1, max(len(r.pages) for r in live))
-                if key is not None:
-                    self._step.hidden_in[:len(live)].copy_(torch.cat(hiddens_in))
-                    out = self.graphs.run(key, tokens_in, starts, [r.pages for r in live], [r.slot for r in live],
-                                          [True] * len(live), [])
+                self._step.hidden_in[:len(live)].copy_(torch.cat(hiddens_in))
+                out = self.graphs.step(tokens_in, starts, [r.pages for r in live], [r.slot for r in live],
+                                       [True] * len(live))
             if out is not None:  # rows == requests (one token each)
                 m, logits = out.hidden, out.logits
             else:
