@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kernels.conv import causal_conv1d_ref, conv_commit_ref
 from kernels.gdn import gdn_commit_ref, gdn_ref
+from kernels.moe import distinct_experts_ref
 
 
 def use_triton(x: Tensor) -> bool:
@@ -66,13 +67,22 @@ def conv_commit(x, cu_seqlens, keep_lens, conv_state, slots, max_len):
 # Triton attention uses the host lists only as size hints (results come from the device tensors), and neither
 # MoE nor attention synchronizes with the host, so both can be captured in a CUDA graph.
 
-def route(router_logits, top_k, renormalize):
-    """Softmax top-k routing (kernels.moe.route_ref): (weights [N, k] in the logits' dtype, ids [N, k] int64)."""
+def route(router_logits, top_k, renormalize, out_dtype=None, bias=None):
+    """Softmax top-k routing (kernels.moe.route_ref): (weights [N, k] in out_dtype or the logits' dtype,
+    ids [N, k] int64); `bias` [E] is added to the logits first."""
     from kernels.moe import route_ref
     if use_triton(router_logits):
         from kernels.moe_triton import route_triton
-        return route_triton(router_logits, top_k, renormalize)
-    return route_ref(router_logits, top_k, renormalize)
+        return route_triton(router_logits, top_k, renormalize, out_dtype, bias)
+    return route_ref(router_logits, top_k, renormalize, out_dtype, bias)
+
+
+def distinct_experts(topk_ids, token_mask, num_experts):
+    """Distinct experts the unmasked tokens touch, a device int64 scalar (kernels.moe.distinct_experts_ref)."""
+    if use_triton(topk_ids):
+        from kernels.moe_triton import distinct_experts_triton
+        return distinct_experts_triton(topk_ids, token_mask, num_experts)
+    return distinct_experts_ref(topk_ids, token_mask, num_experts)
 
 
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None):
@@ -117,6 +127,24 @@ def rmsnorm(x, weight, eps):
         return rmsnorm_triton(x, weight, eps)
     from kernels.norm import rmsnorm_ref
     return rmsnorm_ref(x, weight, eps)
+
+
+def add_rmsnorm(x, h, weight, eps):
+    """Residual add + RMSNorm: (x + h, rmsnorm(x + h)) (kernels.norm.add_rmsnorm_ref)."""
+    if use_triton(x):
+        from kernels.norm_triton import add_rmsnorm_triton
+        return add_rmsnorm_triton(x, h, weight, eps)
+    from kernels.norm import add_rmsnorm_ref
+    return add_rmsnorm_ref(x, h, weight, eps)
+
+
+def moe_residual_rmsnorm(x, routed, gate_logit, shared, weight, eps):
+    """The end of a MoE layer and the next input norm (kernels.norm.moe_residual_rmsnorm_ref)."""
+    if use_triton(x):
+        from kernels.norm_triton import moe_residual_rmsnorm_triton
+        return moe_residual_rmsnorm_triton(x, routed, gate_logit, shared, weight, eps)
+    from kernels.norm import moe_residual_rmsnorm_ref
+    return moe_residual_rmsnorm_ref(x, routed, gate_logit, shared, weight, eps)
 
 
 def gated_rmsnorm(x, gate, weight, eps):

@@ -11,13 +11,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def route_ref(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """router_logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int64)."""
+def route_ref(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
+              bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """router_logits [N, E] (+ bias [E], added in the logits' dtype) -> (weights [N, k] in out_dtype, default the
+    logits' dtype, expert ids [N, k] int64)."""
+    if bias is not None:
+        router_logits = router_logits + bias.to(router_logits.dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    return weights.to(out_dtype or router_logits.dtype), ids
 
 
 def fused_moe_ref(

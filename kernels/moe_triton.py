@@ -37,7 +37,8 @@ from torch import Tensor
 @triton.jit
 def _route_kernel(
     logits_ptr,  # [N, E]
-    w_ptr,  # [N, K] out, logits dtype
+    bias_ptr,  # [E] fp32 logit bias (HAS_BIAS) or a dummy
+    w_ptr,  # [N, K] out, the weights' dtype
     ids_ptr,  # [N, K] out, int64
     E,
     stride_l,
@@ -45,10 +46,14 @@ def _route_kernel(
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
     RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    if HAS_BIAS:
+        x = (x + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)).to(logits_ptr.dtype.element_ty)
+        x = x.to(tl.float32)  # the reference adds in the logits' dtype
     x = x - tl.max(x, axis=0)
     p = tl.exp(x)
     p = p / tl.sum(p, axis=0)  # [E_P2] softmax in fp32, 0 in the padding
@@ -68,19 +73,57 @@ def _route_kernel(
     tl.store(ids_ptr + row * TOP_K + kk, idxs, mask=kk < TOP_K)
 
 
-def route_triton(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """router_logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int64). As route_ref."""
+def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
+                 bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """router_logits [N, E] (+ bias [E]) -> (weights [N, k] in out_dtype (default the logits' dtype), expert ids
+    [N, k] int64). As route_ref: the bias add and the cast are in the same launch."""
     n, e = router_logits.shape
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = torch.empty(n, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    weights = torch.empty(n, top_k, dtype=out_dtype or router_logits.dtype, device=router_logits.device)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=router_logits.device)
     if n == 0:
         return weights, ids
     e_p2 = triton.next_power_of_2(e)
-    _route_kernel[(n,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
-                        K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
-                        num_warps=4 if e_p2 >= 512 else 1)
+    _route_kernel[(n,)](logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0),
+                        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
+                        HAS_BIAS=bias is not None, num_warps=4 if e_p2 >= 512 else 1)
     return weights, ids
+
+
+@triton.jit
+def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Experts of assignments `offs` as int32; E (a bin of its own) where out of range or the token is masked."""
+    inb = offs < NK
+    ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
+        ids = tl.where(keep, ids, E)
+    return ids
+
+
+@triton.jit
+def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
+                             E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: how many of the E experts the unmasked assignments touch (int64 scalar)."""
+    e = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], tl.int32)
+    for start in range(0, NK, BLOCK):
+        counts += tl.histogram(_kept_ids(ids_ptr, mask_ptr, start + tl.arange(0, BLOCK), NK, E, TOP_K, HAS_MASK),
+                               E_P2)
+    tl.store(out_ptr, tl.sum(((e < E) & (counts > 0)).to(tl.int64), axis=0))
+
+
+def distinct_experts_triton(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> Tensor:
+    """kernels.moe.distinct_experts_ref in one launch: topk_ids [N, k], token_mask [N] bool -> int64 scalar."""
+    n, k = topk_ids.shape
+    out = torch.zeros((), dtype=torch.int64, device=topk_ids.device)
+    if n == 0:
+        return out
+    ids = topk_ids.reshape(-1).contiguous()
+    mask = token_mask.view(torch.int8) if token_mask is not None else ids
+    _distinct_experts_kernel[(1,)](ids, mask, out, ids.numel(), num_experts, TOP_K=k, HAS_MASK=token_mask is not None,
+                                   E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=32, num_warps=4)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -106,13 +149,8 @@ def _moe_align_kernel(
     # pass 1: assignments per expert
     counts = tl.zeros([E_P2], tl.int32)
     for start in range(0, NK, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        inb = offs < NK
-        ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
-            ids = tl.where(keep, ids, E)
-        counts += tl.histogram(ids, E_P2)
+        counts += tl.histogram(_kept_ids(topk_ids_ptr, mask_ptr, start + tl.arange(0, CHUNK), NK, E, TOP_K, HAS_MASK),
+                               E_P2)
     counts = tl.where(bins < E, counts, 0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M  # [E_P2]
     blk_end = tl.cumsum(nblk, axis=0)
@@ -129,11 +167,7 @@ def _moe_align_kernel(
     # the GEMM rows are independent and results are scattered back by assignment index)
     for start in range(0, NK, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        inb = offs < NK
-        ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
-            ids = tl.where(keep, ids, E)
+        ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK)
         real = ids < E
         dest = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=real)
         tl.store(sorted_ids_ptr + dest, offs, mask=real)
@@ -149,11 +183,7 @@ def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_M
     """(expert of block pid_m, its BLOCK_M assignment indices (NK = padding), number of blocks), in the order of
     moe_align_ref (ascending assignment index inside an expert)."""
     offs = tl.arange(0, NK_P2)
-    inb = offs < NK
-    ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
-        ids = tl.where(keep, ids, E)
+    ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK)
     bins = tl.arange(0, E_P2)
     counts = tl.where(bins < E, tl.histogram(ids, E_P2), 0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
@@ -374,7 +404,7 @@ def moe_align_triton(
     num_blocks = work[max_rows + max_blocks : max_rows + max_blocks + 1]
     cursor = work[max_rows + max_blocks + 1 :]
     has_mask = token_mask is not None
-    mask = token_mask.to(torch.int8) if has_mask else work
+    mask = token_mask.view(torch.int8) if has_mask else work
     chunk = min(triton.next_power_of_2(max(nk, 1)), 1024)
     _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, nk, num_experts,
                             TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk,
@@ -403,7 +433,7 @@ def moe_align_ref(
         block_expert[row // block_m : row // block_m + nblk] = e
         row += nblk * block_m
     num_blocks = torch.tensor([row // block_m], dtype=torch.int32, device=flat_ids.device)
-    mask = token_mask.to(torch.int8) if token_mask is not None else sorted_ids
+    mask = token_mask.view(torch.int8) if token_mask is not None else sorted_ids
     return sorted_ids, block_expert, num_blocks, mask
 
 
@@ -482,7 +512,7 @@ def fused_moe_triton(
         sorted_ids = work[:max_rows]
         block_expert = work[max_rows : max_rows + max_blocks]
         num_blocks = work[max_rows + max_blocks :]
-        mask = token_mask.to(torch.int8) if has_mask else work
+        mask = token_mask.view(torch.int8) if has_mask else work
     else:
         sorted_ids, block_expert, num_blocks, mask = moe_align_triton(ids, token_mask, num_experts, top_k, block_m)
 

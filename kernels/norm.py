@@ -20,3 +20,18 @@ def gated_rmsnorm_ref(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Te
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y
     return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def add_rmsnorm_ref(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A residual add and the next RMSNorm: (s, rmsnorm(s)) with s = x + h in x's dtype. x, h [N, D]."""
+    s = x + h
+    return s, rmsnorm_ref(s, weight, eps)
+
+
+def moe_residual_rmsnorm_ref(x: Tensor, routed: Tensor, gate_logit: Tensor, shared: Tensor, weight: Tensor,
+                             eps: float) -> tuple[Tensor, Tensor]:
+    """The end of a MoE layer and the next layer's input norm: (s, rmsnorm(s)) with
+    s = x + (routed + sigmoid(gate_logit) * shared) (kernels.elementwise.moe_residual_ref)."""
+    from kernels.elementwise import moe_residual_ref
+    s = moe_residual_ref(x, routed, gate_logit, shared)
+    return s, rmsnorm_ref(s, weight, eps)

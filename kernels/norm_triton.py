@@ -44,6 +44,30 @@ def _gated_rmsnorm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, D, s_x0, s_x1, s_g0, s_g1,
     tl.store(o_ptr + row * s_o + cols, (y.to(tl.float32) * silu).to(dt), mask=mask)
 
 
+@triton.jit
+def _residual_rmsnorm_kernel(x_ptr, h_ptr, gl_ptr, sh_ptr, w_ptr, s_ptr, o_ptr, D, s_x, s_h, s_gl, s_sh, s_s, s_o,
+                             eps, MOE: tl.constexpr, BD: tl.constexpr):
+    """s = x + h (MOE: x + (h + sigmoid(gl) * sh), h the routed experts, sh the shared one), then RMSNorm(s).
+    One program per row; every op rounds to the input dtype where the references do."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    dt = x.dtype
+    h = tl.load(h_ptr + row * s_h + cols, mask=mask, other=0.0).to(tl.float32)
+    if MOE:
+        sh = tl.load(sh_ptr + row * s_sh + cols, mask=mask, other=0.0).to(tl.float32)
+        gl = tl.load(gl_ptr + row * s_gl).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-gl))).to(dt).to(tl.float32)
+        h = (h + (gate * sh).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    s = (x.to(tl.float32) + h).to(dt)
+    tl.store(s_ptr + row * s_s + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
+    tl.store(o_ptr + row * s_o + cols, (sf * rstd * (1.0 + w)).to(o_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows(x: Tensor) -> Tensor:
     """[..., D] -> [M, D] without a copy where the leading dims merge (strided rows allowed)."""
     d = x.shape[-1]
@@ -91,3 +115,32 @@ def gated_rmsnorm_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float) ->
                                        g3.stride(1), out.stride(0), x3.shape[1], float(eps), BD=bd,
                                        num_warps=4 if bd <= 1024 else 8)
     return out.view(x.shape)
+
+
+def _residual_rmsnorm(x: Tensor, h: Tensor, gate_logit: Tensor | None, shared: Tensor | None, weight: Tensor,
+                      eps: float) -> tuple[Tensor, Tensor]:
+    n, d = x.shape
+    x, h = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, h))
+    moe = shared is not None
+    if moe and shared.stride(-1) != 1:
+        shared = shared.contiguous()
+    s = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    if n:
+        bd = triton.next_power_of_2(d)
+        gl, sh = (gate_logit, shared) if moe else (x, x)
+        _residual_rmsnorm_kernel[(n,)](x, h, gl, sh, weight, s, out, d, x.stride(0), h.stride(0), gl.stride(0),
+                                       sh.stride(0), s.stride(0), out.stride(0), float(eps), MOE=moe, BD=bd,
+                                       num_warps=4 if bd <= 1024 else 8)
+    return s, out
+
+
+def add_rmsnorm_triton(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """kernels.norm.add_rmsnorm_ref in one launch: x, h [N, D] -> (x + h, rmsnorm(x + h))."""
+    return _residual_rmsnorm(x, h, None, None, weight, eps)
+
+
+def moe_residual_rmsnorm_triton(x: Tensor, routed: Tensor, gate_logit: Tensor, shared: Tensor, weight: Tensor,
+                                eps: float) -> tuple[Tensor, Tensor]:
+    """kernels.norm.moe_residual_rmsnorm_ref in one launch: x, routed, shared [N, H], gate_logit [N, 1]."""
+    return _residual_rmsnorm(x, routed, gate_logit, shared, weight, eps)

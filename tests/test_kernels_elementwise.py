@@ -1,4 +1,4 @@
-"""Triton RMS norms, rotary embedding and GDN gates equal their PyTorch references (TRITON_INTERPRET=1, CPU,
+"""Triton RMS norms (alone and fused with the residual add before them), rotary embedding, GDN gates and the MoE tail equal their PyTorch references (TRITON_INTERPRET=1, CPU,
 fp32), on contiguous rows, strided rows (column blocks of a fused projection), odd widths and an empty batch.
 
 Run as a script by the test below (the interpreter must be set before triton is imported); prints one JSON line
@@ -79,6 +79,17 @@ def main() -> None:
     out["silu_mul_strided"] = _rel(silu_mul_triton(gate, up), silu_mul_ref(gate, up))
     x, routed, shared = (torch.randn(5, 40, generator=gen) for _ in range(3))
     out["moe_residual"] = _rel(moe_residual_triton(x, routed, logit, shared), moe_residual_ref(x, routed, logit, shared))
+    # the residual add / the MoE layer's end fused with the next RMSNorm: both outputs checked
+    from kernels.norm import add_rmsnorm_ref, moe_residual_rmsnorm_ref
+    from kernels.norm_triton import add_rmsnorm_triton, moe_residual_rmsnorm_triton
+
+    w = 0.1 * torch.randn(40, generator=gen)
+    for name, got, ref in (("add_rmsnorm", add_rmsnorm_triton(x, routed, w, 1e-6), add_rmsnorm_ref(x, routed, w, 1e-6)),
+                           ("moe_residual_rmsnorm", moe_residual_rmsnorm_triton(x, routed, logit, shared, w, 1e-6),
+                            moe_residual_rmsnorm_ref(x, routed, logit, shared, w, 1e-6))):
+        out[f"{name}_sum"], out[f"{name}_norm"] = _rel(got[0], ref[0]), _rel(got[1], ref[1])
+    e0 = torch.empty(0, 40)
+    out["add_rmsnorm_empty"] = float(add_rmsnorm_triton(e0, e0, w, 1e-6)[1].numel())
     print(json.dumps(out))
 
 
@@ -89,7 +100,7 @@ def test_triton_small_kernels_equal_references():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = json.loads(lines[-1])
-    assert len(errors) == 17
+    assert len(errors) == 22
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
 

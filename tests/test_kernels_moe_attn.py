@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
-    "route_renorm", "route_plain",
+    "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
     "moe_plain", "moe_mask", "moe_one_token", "moe_block32", "moe_all_masked", "moe_hot_expert",
     "moe_unfused", "moe_mask_unfused", "moe_hot_unfused", "moe_align_fused_reduce_separate", "moe_counters_reset",
@@ -84,6 +84,29 @@ def _checks() -> dict:
 
     checks["route_renorm"] = lambda: route_case(True)
     checks["route_plain"] = lambda: route_case(False)
+
+    def route_bias_case():  # the benchmarks' router bias and the weights' cast in the same launch
+        logits, bias = torch.randn(9, E), torch.randn(E)
+        w, ids = route_triton(logits, K, True, torch.float16, bias)
+        w_ref, ids_ref = route_ref(logits, K, True, torch.float16, bias)
+        if not torch.equal(ids, ids_ref) or w.dtype != torch.float16:  # (the interpreter rounds bf16 wrongly)
+            return "expert ids or dtype differ"
+        return _rel(w.float(), w_ref.float())
+
+    checks["route_bias_half_out"] = route_bias_case
+
+    def distinct_case(masked):
+        from kernels.moe import distinct_experts_ref
+        from kernels.moe_triton import distinct_experts_triton
+        ids = torch.randint(0, 40, (37, 3))  # 111 assignments: several loop iterations of the kernel
+        mask = (torch.rand(37) < 0.5) if masked else None
+        got, ref = distinct_experts_triton(ids, mask, 40), distinct_experts_ref(ids, mask, 40)
+        if got.dtype != torch.int64 or got.shape != ():
+            return f"dtype/shape {got.dtype} {tuple(got.shape)}"
+        return abs(int(got) - int(ref))
+
+    checks["distinct_experts"] = lambda: distinct_case(False)
+    checks["distinct_experts_masked"] = lambda: distinct_case(True)
 
     # ---- align (the device-side grouping): same blocks as the reference, masked assignments in none
     def align_case(n, mask, block_m, hot=None):

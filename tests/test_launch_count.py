@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_PER_LAYER = 30  # 26.2 when this test was written (76.0 before the fused norms, rotary, gates, GEMMs, MoE tail)
+MAX_PER_LAYER = 24  # 21.75 now; 26.2 before the residual adds joined the norms and the router its bias and cast, 76.0 before any fusion
 
 NO_KERNEL = {"view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "t", "transpose", "expand",
              "expand_as", "unsqueeze", "squeeze", "split", "chunk", "split_with_sizes", "narrow", "detach", "alias",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import dispatch
-from kernels.moe import distinct_experts_ref, router_correction_ref
+from kernels.moe import router_correction_ref
 from workers.batch import ForwardBatch
 from workers.cache import AttentionKV, GDNScratch, GDNState, ModelCache, StepScratch
 from workers.config import FULL_ATTENTION, ModelConfig
@@ -47,7 +47,7 @@ class MoEContext:
                 if self.row_mask is not None:
                     self.token_mask = self.token_mask & self.row_mask
         mask = self.token_mask
-        self.distinct_experts.append(distinct_experts_ref(ids, mask, num_experts))
+        self.distinct_experts.append(dispatch.distinct_experts(ids, mask, num_experts))
         if self.collect_counts:
             kept = ids if mask is None else torch.where(mask[:, None], ids, num_experts)
             counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
@@ -65,6 +65,24 @@ def _derived(module: nn.Module, name: str, source: Tensor, fn) -> Tensor:
         cached = (key, fn(source))
         module.__dict__[name] = cached
     return cached[1]
+
+
+_MM_TO_FP32: dict = {}
+
+
+def _mm_to_fp32(device: torch.device) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) works for bf16 on this device (CUDA in recent torch):
+    the router's fp32 logits then need no fp32 copy of the activations (products of bf16 values are exact in
+    fp32, so only the summation order can differ from F.linear(x.float(), w.float()))."""
+    ok = _MM_TO_FP32.get(device)
+    if ok is None:
+        try:
+            a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+            ok = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _MM_TO_FP32[device] = ok
+    return ok
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -89,26 +107,32 @@ class FusedLinears:
 
     weight: Tensor  # [sum(sizes), d_in]
     bias: Tensor | None
-    sizes: list[int]
+    sizes: list[int]  # each Linear's rows, then the padding rows if any
+    count: int  # Linears
 
     @classmethod
-    def of(cls, linears: list["Linear"]) -> "FusedLinears":
+    def of(cls, linears: list["Linear"], align: int = 8) -> "FusedLinears":
+        """The fused output is padded with zero rows to a multiple of `align` columns: a misaligned leading
+        dimension (the shared expert's gate + up + 1 gate logit) makes cuBLAS pick slow unaligned kernels."""
         sizes = [lin.weight.shape[0] for lin in linears]
+        total = -(-sum(sizes) // align) * align
+        if total > sum(sizes):
+            sizes = sizes + [total - sum(sizes)]
         w0 = linears[0].weight
-        weight = torch.empty(sum(sizes), w0.shape[1], dtype=w0.dtype, device=w0.device)
+        weight = torch.zeros(total, w0.shape[1], dtype=w0.dtype, device=w0.device)
         has_bias = linears[0].bias is not None
-        bias = torch.empty(sum(sizes), dtype=w0.dtype, device=w0.device) if has_bias else None
+        bias = torch.zeros(total, dtype=w0.dtype, device=w0.device) if has_bias else None
         start = 0
         for lin, n in zip(linears, sizes):
             lin.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
             if has_bias:
                 lin.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
-        return cls(weight, bias, sizes)
+        return cls(weight, bias, sizes, len(linears))
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [N, d_in] -> one [N, size_i] output per Linear (column slices of one product)."""
-        return torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+        return torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)[:self.count]
 
 
 class RMSNorm(nn.Module):
@@ -250,23 +274,29 @@ class SparseMoe(nn.Module):
         """x [N, H] -> (weights [N, k], expert ids [N, k])."""
         # fp32 router logits: bf16 ones tie often among hundreds of experts, and a tie broken differently by two
         # kernels sends a token to another expert (the weights are tiny: E x H)
-        logits = F.linear(x.float(), _derived(self, "_gate_f32", self.gate.weight, lambda w: w.float()))  # [N, E]
-        if self.router_bias is not None:
-            logits = logits + self.router_bias
-        weights, ids = dispatch.route(logits, self.top_k, self.renormalize)
-        return weights.to(x.dtype), ids
+        if x.is_cuda and x.dtype != torch.float32 and _mm_to_fp32(x.device):  # bf16 in, fp32 sums out: no copy
+            logits = torch.mm(x, self.gate.weight.t(), out_dtype=torch.float32)  # [N, E]
+        else:
+            logits = F.linear(x.float(), _derived(self, "_gate_f32", self.gate.weight, lambda w: w.float()))
+        return dispatch.route(logits, self.top_k, self.renormalize, x.dtype, self.router_bias)  # bias, cast fused
 
-    def forward(self, x: Tensor, ctx: MoEContext | None = None, residual: Tensor | None = None) -> Tensor:
-        """routed + shared expert output [N, H]; plus `residual` when given (fused into the last kernel)."""
+    def forward(self, x: Tensor, ctx: MoEContext | None = None, residual: Tensor | None = None,
+                norm: "RMSNorm | None" = None) -> Tensor | tuple[Tensor, Tensor]:
+        """routed + shared expert output [N, H]; plus `residual` when given (fused into the last kernel). With
+        `norm` (and `residual`): (s, norm(s)) for s = residual + experts, the next layer's input norm in the
+        same kernel."""
         weights, ids = self.route(x)
         if self.ep is not None:  # routed experts on their owners' ranks (all-to-all), shared expert here
             out = self.ep(self, x, weights, ids, ctx)
-            return out if residual is None else residual + out
+            out = out if residual is None else residual + out
+            return out if norm is None else (out, norm(out))
         token_mask = ctx.mask_for(ids, self.experts.gate_up_proj.shape[0]) if ctx is not None else None
         routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
         gate_logit, shared = self._shared(x)
         if residual is None:
             return routed + torch.sigmoid(gate_logit) * shared
+        if norm is not None:
+            return dispatch.moe_residual_rmsnorm(residual, routed, gate_logit, shared, norm.weight, norm.eps)
         return dispatch.moe_residual(residual, routed, gate_logit, shared)
 
     def _shared(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -298,17 +328,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, batch: ForwardBatch, state, cos: Tensor, sin: Tensor,
                 write: bool | Tensor = True, scratch: dict | None = None, layer_index: int = -1,
-                moe: MoEContext | None = None) -> Tensor:
-        h = self.input_layernorm(x)
+                moe: MoEContext | None = None, h: Tensor | None = None,
+                next_norm: RMSNorm | None = None) -> tuple[Tensor, Tensor | None]:
+        """x [N, H] -> (x after this layer, next_norm(it) or None). `h`: input_layernorm(x) when the previous
+        layer already computed it (fused into its last kernel)."""
+        if h is None:
+            h = self.input_layernorm(x)
         if self.kind == FULL_ATTENTION:
             h = self.self_attn(h, batch, state, cos, sin)
         else:
             h = self.linear_attn(h, batch, state, write, scratch, layer_index)
-        x = x + h
-        h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoe):
-            return self.mlp(h, moe, residual=x)  # x + experts, the residual add fused into the MoE's last kernel
-        return x + self.mlp(h)
+        norm = self.post_attention_layernorm
+        x, h = dispatch.add_rmsnorm(x, h, norm.weight, norm.eps)  # the residual add and the norm: one kernel
+        if isinstance(self.mlp, SparseMoe):  # x + experts (and the next norm) in the MoE's last kernel
+            out = self.mlp(h, moe, residual=x, norm=next_norm)
+            return out if next_norm is not None else (out, None)
+        x = x + self.mlp(h)
+        return x, (next_norm(x) if next_norm is not None else None)
 
 
 class HybridModel(nn.Module):
@@ -350,8 +386,10 @@ class HybridModel(nn.Module):
         x = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [N, H]
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         layers_scratch = scratch.layers if scratch is not None else None
-        for i, (layer, state) in enumerate(zip(self.model.layers, cache.layers)):
-            x = layer(x, batch, state, cos, sin, write, layers_scratch, i, moe)
+        layers, h = self.model.layers, None
+        for i, (layer, state) in enumerate(zip(layers, cache.layers)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            x, h = layer(x, batch, state, cos, sin, write, layers_scratch, i, moe, h, next_norm)
         hidden = self.model.norm(x) if return_hidden else None  # every row's (the MTP head's input)
         if all_rows_into is not None:
             logits = self.logits(hidden if hidden is not None else self.model.norm(x), out=all_rows_into)

@@ -64,7 +64,7 @@ class MTPHead(nn.Module):
         x = self.mtp.fc(u)
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         for layer, state in zip(self.mtp.layers, cache.layers):
-            x = layer(x, batch, state, cos, sin, moe=moe)
+            x, _ = layer(x, batch, state, cos, sin, moe=moe)
         return self.mtp.norm(x)
 
 
