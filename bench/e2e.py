@@ -215,6 +215,8 @@ def main() -> None:
     ap.add_argument("--policies", default="fixed2,fixed4,fixed8,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--cell-tokens", type=int, default=512,
+                    help="at least this many output tokens per cell: requests get max(max-new, cell-tokens / c)")
     ap.add_argument("--warm-new", type=int, default=32, help="tokens of the warm-up run before each measured run")
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--graphs", type=int, default=1, help="CUDA graphs for decode/verify steps (1) or eager (0)")
@@ -236,7 +238,8 @@ def main() -> None:
     policies = args.policies.split(",")
     max_c = max(concurrencies)
     max_k = max([int(p[len("fixed"):]) for p in policies if p.startswith("fixed")] + [16])
-    pages_per_req = -(-(args.prompt_len + args.max_new + max_k + 4) // page_size)
+    max_new_of = {c: max(args.max_new, -(-args.cell_tokens // c)) for c in concurrencies}  # short cells are noisy
+    pages_per_req = -(-(args.prompt_len + max(max_new_of.values()) + max_k + 4) // page_size)
     num_pages = max_c * pages_per_req
     cache = ModelCache(cfg, num_pages + 1, page_size, max_c + 1, dtype, device)  # + the graphs' spare page/slot
     drafter_cost = DraftModelDrafter(drafter_model(cfg, args.drafter_layers, dtype, device), num_pages, page_size,
@@ -251,7 +254,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     rows, meta = [], {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                       "dtype": str(dtype), "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len,
-                      "max_new": args.max_new, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
+                      "max_new": max_new_of, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
                       "drafter": "replay (DFlash-shaped cost: "
                       f"{args.drafter_layers} layers at hidden {cfg.hidden_size}, one forward of the drafted block)"}
     for conc in concurrencies:
@@ -261,10 +264,11 @@ def main() -> None:
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(conc)]
         runner.drafter = None
         serve(runner, prompts, args.warm_new, 0, page_size, num_pages, "ar")  # warm-up (graph capture)
-        ar = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar")
+        max_new = max_new_of[conc]
+        ar = serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
         ar_row = ar.row()
         ar_row["floor_ms"] = floor_ms(cfg, 2 if dtype == torch.bfloat16 else 4, cfg.num_experts_per_tok * 1.0, conc,
-                                      args.prompt_len + args.max_new // 2)
+                                      args.prompt_len + max_new // 2)
         ar_row["step_over_floor"] = ar_row["step_ms_median"] / ar_row["floor_ms"]
         rows.append(ar_row)
         print(f"c={conc} ar: {ar_row['decode_tokens_per_s']:.1f} tok/s (decode), step {ar_row['step_ms_median']:.2f} "
@@ -280,7 +284,7 @@ def main() -> None:
                 runner.drafter = replay
                 # warm-up: captures this policy's graph buckets, fits its latency model and calibration
                 serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy)
-                res = serve(runner, prompts, args.max_new, k, page_size, num_pages, policy, keep_policy=True)
+                res = serve(runner, prompts, max_new, k, page_size, num_pages, policy, keep_policy=True)
                 res.policy, res.acceptance = policy, acceptance
                 row = res.row()
                 row["greedy_match"] = sum(a == b for a, b in zip(res.tokens, ar.tokens)) / len(ar.tokens)
