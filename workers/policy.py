@@ -33,6 +33,11 @@ class DevicePlanner:
     per step eagerly on the H200 (bench/NOTES.md) and one replay in a graph. Elsewhere (and if a capture fails)
     the same padded call runs eagerly."""
 
+    # serving runs one linearization step from each start (L = 0 and L = caps; the uniform candidates are
+    # always considered): half the full search's kernels, >= 99% of its goodput in tests/test_planner.py's
+    # world. The search is hybridspec's own cost per step (~1-1.5 ms on the H200 in graphs at 1b59fc2).
+    ITERATIONS, FROM_ZERO = 1, True
+
     def __init__(self, device: torch.device, max_drafts: int):
         self.device, self.k = device, max_drafts
         self.capture = device.type == "cuda"  # the runner turns it off when its own graphs are off
@@ -48,10 +53,11 @@ class DevicePlanner:
                 "fixed": torch.zeros((), dtype=f64, device=dev), "tok": torch.zeros((), dtype=f64, device=dev),
                 "ex": torch.zeros((), dtype=f64, device=dev), "gain": torch.zeros((), dtype=f64, device=dev)}
 
-    @staticmethod
-    def _run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    @classmethod
+    def _run(cls, x: dict[str, torch.Tensor]) -> torch.Tensor:
         return plan_with_experts_device(x["survival"], x["caps"], x["fixed"], x["tok"], x["ex"], x["touch"],
-                                        x["tokens"], base_gain=x["gain"])
+                                        x["tokens"], base_gain=x["gain"], iterations=cls.ITERATIONS,
+                                        from_zero=cls.FROM_ZERO)
 
     def plan(self, survival: list[list[float]], caps: list[int], tokens: list[int], fixed_ms: float,
              ms_per_token: float, ms_per_expert: float, touch: torch.Tensor) -> list[int]:
