@@ -14,6 +14,17 @@ its own requests (request i on rank i % N; an idle rank only takes part in the e
 are all-gathered over a side gloo group. Eager (no CUDA graphs) in both phases: the exchange reads its split
 sizes on the host (`--single-graphs` gives the single GPU its CUDA graphs, the engine's best there).
 
+Warm-up covers what is timed: before each timed (phase, policy, concurrency) cell the same workload runs once
+untimed (same prompts, policy, draft cap and --max-new; `--warm-new N` shortens it). Eager steps see the
+speculative shapes (ragged T_i = 1..17, token totals, batch sizes, contexts); a Triton kernel meets each of its
+compile keys first in the warm-up, not in a timed step (a JIT compile costs 0.3-1 s on the H200: with a 16-token
+warm-up, hybridspec c=16 measured a 519 ms median step on one GPU). The hybridspec timed run continues the
+warm-up's latency model and calibration (keep_policy), as a server that has been running. Its lengths are chosen
+online, so the warm-up covers the timed shapes in distribution, not step for step: each row reports
+`jit_compiles`, the Triton kernels compiled (or loaded from the on-disk cache) in the process during the timed run
+(Triton's jit_cache_hook; 0 when the warm-up covered it; the kernels' compile keys are bounded,
+tests/test_specializations.py), and a warning is logged when it is not 0.
+
 Reported per (phase, policy, concurrency): output tokens/s over the run, median step ms, and the share of step
 time in the MoE collectives (CUDA events around each all-to-all / all-reduce; it includes waiting for the slowest
 rank). JSON goes to --out/ep.json after every row (a run cut short keeps its rows); a table is printed at the end.
@@ -47,6 +58,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class JitCounter:
+    """Triton kernels this process compiles from now on: Triton calls `knobs.runtime.jit_cache_hook` once per
+    kernel key that is not yet in the process's in-memory cache (a compile, or a load from the on-disk cache),
+    before it compiles. Chains to a hook set before it. Without triton it counts nothing."""
+
+    def __init__(self):
+        self.count = 0
+        self.kernels: dict[str, int] = {}
+        try:
+            from triton import knobs
+        except Exception:  # noqa: BLE001 - no triton (references only)
+            return
+        prev = knobs.runtime.jit_cache_hook
+
+        def hook(*args, **kwargs):
+            self.count += 1
+            name = str(kwargs.get("repr", "?")).split("[", 1)[0]
+            self.kernels[name] = self.kernels.get(name, 0) + 1
+            return prev(*args, **kwargs) if prev is not None else None
+
+        knobs.runtime.jit_cache_hook = hook
 
 
 def tiny_config():
@@ -92,6 +126,7 @@ class Rank:
         self.dtype = torch.bfloat16 if gpu else torch.float32
         self.ep = world > 1
         self.objects = None
+        self.jit = JitCounter()
         if self.ep:
             import torch.distributed as dist
 
@@ -195,6 +230,7 @@ class Rank:
         if self.ep:
             comm_ms(self.model)  # drop what earlier runs left
         self.sync()
+        jit0, jit_kernels0 = self.jit.count, dict(self.jit.kernels)
         start = time.perf_counter()
         while sched.has_work():
             plan = sched.schedule()
@@ -237,14 +273,21 @@ class Rank:
                     if owner[r.request_id] == self.rank or not self.ep:
                         runner.release([r.request_id])
         wall = time.perf_counter() - start
+        jit_new = {k: v - jit_kernels0.get(k, 0) for k, v in self.jit.kernels.items() if v > jit_kernels0.get(k, 0)}
         return {
             "policy": policy, "concurrency": len(prompts), "world": self.world, "output_tokens": out_tokens,
             "wall_s": wall, "output_tokens_per_s": out_tokens / wall, "steps": len(step_ms),
             "step_ms_median": statistics.median(step_ms), "comm_ms_total": sum(comm),
             "comm_share": sum(comm) / sum(step_ms) if comm else 0.0,
             "mean_accepted_len": acc / vsteps if vsteps else 0.0, "draft_tokens": draft, "accepted_tokens": acc,
-            "graphs": self.graphs,
+            "graphs": self.graphs, "jit_compiles": self.jit.count - jit0, "jit_kernels": jit_new,
         }, [r.output_ids for r in reqs]
+
+
+def check_warm(rank: int, row: dict) -> None:
+    if row["jit_compiles"]:
+        log(f"rank {rank}: WARNING {row['jit_compiles']} Triton JIT compile(s) inside the timed {row['policy']} "
+            f"c={row['concurrency']} run (not covered by the warm-up): {row['jit_kernels']}")
 
 
 def rank_main(rank: int, world: int, port: int, args, result_path: str) -> None:
@@ -278,9 +321,11 @@ def _rank_main(rank: int, world: int, port: int, args, result_path: str) -> None
                 log(f"world {world}: time limit, skipping concurrency {conc}")
             break
         prompts = prompts_by_conc[conc]
+        warm_new = args.warm_new or args.max_new  # the timed workload itself (module docstring)
         me.runner.drafter = None
-        me.serve(prompts, args.warm_new, 0, "ar")
+        me.serve(prompts, warm_new, 0, "ar")  # warm-up: every compile key of the timed ar run
         ar, ar_tokens = me.serve(prompts, args.max_new, 0, "ar")
+        check_warm(rank, ar)
         tokens[conc] = ar_tokens
         rows.append(ar)
         if rank == 0:
@@ -290,8 +335,10 @@ def _rank_main(rank: int, world: int, port: int, args, result_path: str) -> None
         for p, cont in zip(prompts, ar_tokens):
             replay.set_reference(p, cont + [0] * 18)
         me.runner.drafter = replay
-        me.serve(prompts, args.warm_new, 16, "hybridspec")  # warms the latency model and the calibration
+        # warm-up: the same workload (its compile keys; it also fits the latency model and the calibration)
+        me.serve(prompts, warm_new, 16, "hybridspec")
         hs, hs_tokens = me.serve(prompts, args.max_new, 16, "hybridspec", keep_policy=True)
+        check_warm(rank, hs)
         hs["greedy_match_vs_ar"] = sum(a == b for a, b in zip(hs_tokens, ar_tokens)) / len(ar_tokens)
         rows.append(hs)
         if rank == 0:
@@ -334,7 +381,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--warm-new", type=int, default=16)
+    ap.add_argument("--warm-new", type=int, default=0,
+                    help="tokens per request of the untimed warm-up before each timed cell (0: --max-new, the "
+                    "timed workload itself)")
     ap.add_argument("--acceptance", type=float, default=0.85, help="replay drafter acceptance")
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--placement", default="even", choices=["even", "popularity"])
@@ -346,7 +395,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny:
         args.concurrency = args.concurrency if args.concurrency != "16,64" else "3,5"
-        args.prompt_len, args.max_new, args.warm_new = min(args.prompt_len, 12), min(args.max_new, 8), 4
+        args.prompt_len, args.max_new = min(args.prompt_len, 12), min(args.max_new, 8)
         args.drafter_layers = 1
     elif not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
         sys.exit(f"--gpus {args.gpus} needs that many CUDA devices (found "
@@ -365,18 +414,21 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
             "prompt_len": args.prompt_len, "max_new": args.max_new, "acceptance": args.acceptance,
             "placement": args.placement, "ar_greedy_match_ep_vs_single": match, "wall_s": time.perf_counter() - t0,
+            "warm_new": args.warm_new or args.max_new,
             "single_gpu_graphs": args.single_graphs, "ep_graphs": False}
     rows = single["rows"] + ep["rows"]
     (out / "ep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print("\n| policy | conc | 1 GPU tok/s | EP tok/s | EP / 1 GPU | EP step ms | EP collectives share |", flush=True)
-    print("|---|---|---|---|---|---|---|")
+    print("\n| policy | conc | 1 GPU tok/s | EP tok/s | EP / 1 GPU | EP step ms | EP collectives share | JIT in timed "
+          "run (1 GPU / EP) |", flush=True)
+    print("|---|---|---|---|---|---|---|---|")
     one = {(r["policy"], r["concurrency"]): r for r in single["rows"]}
     for r in ep["rows"]:
         s = one.get((r["policy"], r["concurrency"]))
         base = f"{s['output_tokens_per_s']:.1f}" if s else "-"
         ratio = f"{r['output_tokens_per_s'] / s['output_tokens_per_s']:.2f}" if s else "-"
         print(f"| {r['policy']} | {r['concurrency']} | {base} | {r['output_tokens_per_s']:.1f} | {ratio} | "
-              f"{r['step_ms_median']:.2f} | {100 * r['comm_share']:.1f}% |")
+              f"{r['step_ms_median']:.2f} | {100 * r['comm_share']:.1f}% | "
+              f"{s.get('jit_compiles', '-') if s else '-'} / {r.get('jit_compiles', '-')} |")
     print(json.dumps(meta), flush=True)
 
 

@@ -98,7 +98,11 @@ def write_kv_triton(
 # ---------------------------------------------------------------------------------------------------------------
 # paged attention
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit
+# Compile keys: every launch argument that follows the step's shapes is a runtime value, never specialized (N and
+# S only index and divide; Triton would otherwise compile again for N == 1, N % 16 == 0 and the same for S), so a
+# serving run compiles one variant per tile plan (attention_plan: BLOCK_M 16/32/64/128, split or not, prefill)
+# and one combine kernel (tests/test_specializations.py).
+@triton.jit(do_not_specialize=["N", "S"])
 def _paged_attn_kernel(
     q_ptr,  # [N, H, D]
     k_ptr,  # [P, page_size, HKV, D]
@@ -195,7 +199,7 @@ def _paged_attn_kernel(
                      o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S"])
 def _combine_kernel(
     op_ptr,  # [S, N, H, D] fp32
     lse_ptr,  # [S, N, H] fp32
@@ -207,21 +211,33 @@ def _combine_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    S_P2: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits per chunk (S is a runtime value: one compiled kernel for every split count)
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, S_P2)
-    smask = s < S
     d = tl.arange(0, BLOCK_D)
-    prow = (s.to(tl.int64) * N + n) * H + h  # [S_P2]
-    lse = tl.load(lse_ptr + prow, mask=smask, other=-float("inf"))
-    m = tl.max(lse, axis=0)
+    # pass 1: the largest partial log2-sum-exp2
+    m_vec = tl.full([BLOCK_S], -float("inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + (s.to(tl.int64) * N + n) * H + h, mask=s < S, other=-float("inf"))
+        m_vec = tl.maximum(m_vec, lse)
+    m = tl.max(m_vec, axis=0)
     m = tl.where(m == -float("inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # 0 for empty splits
-    part = tl.load(op_ptr + (prow * D)[:, None] + d[None, :], mask=(smask & (lse > -float("inf")))[:, None]
-                   & (d < D)[None, :], other=0.0)  # [S_P2, BD]
-    o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    # pass 2: the partial outputs weighted by exp2(lse - m) (0 for empty splits)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    wsum = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        smask = s < S
+        prow = (s.to(tl.int64) * N + n) * H + h  # [BLOCK_S]
+        lse = tl.load(lse_ptr + prow, mask=smask, other=-float("inf"))
+        w = tl.exp2(lse - m)
+        part = tl.load(op_ptr + (prow * D)[:, None] + d[None, :], mask=(smask & (lse > -float("inf")))[:, None]
+                       & (d < D)[None, :], other=0.0)  # [BLOCK_S, BD]
+        acc += part * w[:, None]
+        wsum += w
+    o = tl.sum(acc, axis=0) / tl.sum(wsum, axis=0)
     tl.store(o_ptr + n * stride_on + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -243,9 +259,17 @@ def _fresh_prefill_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table:
     return out
 
 
+# SMs assumed off CUDA (the interpreter: tests); tests/specializations.py sets the H200's 132 for its sweep
+CPU_SM_COUNT = 4
+
+
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _cuda_sm_count(device.index or 0) if device.type == "cuda" else CPU_SM_COUNT
 
 
 # (BLOCK_N, num_warps, num_stages) per BLOCK_M for decode/verify tiles, and (BLOCK_M, BLOCK_N, warps, stages) for
@@ -254,6 +278,7 @@ ATTN_TILES = {16: (32, 4, 3), 32: (64, 8, 3), 64: (64, 8, 2), 128: (32, 8, 2)}
 PREFILL_TILE = (128, 64, 8, 2)
 SPLIT_MIN_KEYS = 128  # keys per KV split at least
 SPLIT_WAVES = 3  # aim for this many programs per SM when splitting
+COMBINE_BLOCK_S = 16  # splits the combine kernel reads per step (up to 128 splits: at most 8 steps)
 # Fresh prompts longer than this go to torch SDPA (flash) when every request of the batch is one. H200, bf16: at
 # B=1 T=2048 the SDPA path took 123 us against 175 us for the kernel, at B=4 T=512 172 us against 63 us (the path
 # costs ~35 us of small gather/copy launches per request); 1536 sits above the crossover estimated from these.
@@ -311,7 +336,7 @@ def paged_attention_triton(
     n, heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_requests = cu_seqlens.numel() - 1
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: its strides are launch arguments
     if n == 0 or num_requests == 0:
         return out
     if prefill_sdpa is None:
@@ -326,7 +351,7 @@ def paged_attention_triton(
         max_kv = max(c + t for c, t in zip(context_lens_host, query_lens))
     else:
         max_kv = page_table.shape[1] * page_size
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
+    sms = _sm_count(q.device)
     p = attention_plan(n, num_requests, heads, kv_heads, max_q, max_kv, sms)
     if plan:
         p.update(plan)
@@ -348,5 +373,5 @@ def paged_attention_triton(
         PAGE_SIZE=page_size, SPLIT=splits > 1, num_warps=p["num_warps"], num_stages=p["num_stages"])
     if splits > 1:
         _combine_kernel[(n, heads)](o_part, lse, out, n, splits, out.stride(0), out.stride(1), H=heads, D=d,
-                                    BLOCK_D=block_d, S_P2=triton.next_power_of_2(splits), num_warps=4)
+                                    BLOCK_D=block_d, BLOCK_S=COMBINE_BLOCK_S, num_warps=4)
     return out

@@ -104,7 +104,9 @@ def causal_conv1d_triton(
     """Same as causal_conv1d_ref: silu(conv(window ++ x)) for every new row, [N, C] in x's dtype."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_c, kernel = weight.shape
-    out = torch.empty_like(x)  # [N, C]
+    # contiguous whatever x's row stride (empty_like would keep a one-row view's fused-projection stride: another
+    # compile key for N == 1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [N, C]
     if isinstance(write_state, Tensor):
         write, wmask = 2, write_state.to(torch.bool).view(torch.uint8)
     else:

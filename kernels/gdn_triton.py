@@ -408,7 +408,7 @@ def gdn_triton(
     request), CHUNK_BT for longer (prefill) requests; the keyword-only arguments are for measurement."""
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
-    o = torch.empty_like(v)  # [N, HV, DV]
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [N, HV, DV] contiguous (as in every step)
     write, wmask = _write_mode(write_state, slots)
     bsz = slots.shape[0]
     if impl == "auto":
@@ -529,7 +529,7 @@ def gdn_commit_verify_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len
     assert max_len <= 32 and prev_max_len <= 32
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
-    o = torch.empty_like(v)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     write, wmask = _write_mode(write_state, slots)
     _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, scale=scale, use_qk_l2norm=use_qk_l2norm, write=write,
             wmask=wmask, has_out=True, commit=False, keep=keep_lens,

@@ -101,7 +101,7 @@ def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK
     return ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
                              E_P2: tl.constexpr, BLOCK: tl.constexpr):
     """One program: how many of the E experts the unmasked assignments touch (int64 scalar)."""
@@ -129,7 +129,7 @@ def distinct_experts_triton(topk_ids: Tensor, token_mask: Tensor | None, num_exp
 # ---------------------------------------------------------------------------------------------------------------
 # 1. align: group assignments by expert into padded blocks (one program, no host sync)
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _moe_align_kernel(
     topk_ids_ptr,  # [N*K] expert of each assignment (int64 or int32)
     mask_ptr,  # [N] token mask (int8) or a dummy when HAS_MASK is False
@@ -203,7 +203,7 @@ def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_M
 # ---------------------------------------------------------------------------------------------------------------
 # 2. gate/up grouped GEMM with SiLU * up fused
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _moe_gate_up_kernel(
     x_ptr,  # [N, H]
     w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1
@@ -277,7 +277,7 @@ def _moe_gate_up_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # 3. down grouped GEMM, times the routing weight, scattered to the assignment's row
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _moe_down_kernel(
     h_ptr,  # [max_rows, I]
     w_ptr,  # [E, H, I]
@@ -405,7 +405,7 @@ def moe_align_triton(
     cursor = work[max_rows + max_blocks + 1 :]
     has_mask = token_mask is not None
     mask = token_mask.view(torch.int8) if has_mask else work
-    chunk = min(triton.next_power_of_2(max(nk, 1)), 1024)
+    chunk = 128 if nk <= 128 else 1024  # two compiled variants, not one per power of two of NK
     _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, nk, num_experts,
                             TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk,
                             num_warps=4 if chunk <= 256 else 8)
@@ -523,7 +523,8 @@ def fused_moe_triton(
         x, w_gate_up, h, sorted_ids, block_expert, num_blocks, ids, mask, nk, num_experts, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FUSED_ALIGN=fuse_align, HAS_MASK=has_mask,
-        E_P2=e_p2, NK_P2=triton.next_power_of_2(nk), num_warps=warps, num_stages=stages)
+        E_P2=e_p2, NK_P2=triton.next_power_of_2(max(nk, FUSE_ALIGN_MAX_NK)) if fuse_align else 1,
+        num_warps=warps, num_stages=stages)
 
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
     bn, bk, warps, stages = tiles["down"]

@@ -8,10 +8,10 @@ Run as a script by the test below (the interpreter must be set before triton is 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from interp import run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,13 +69,7 @@ def main() -> None:
 
 
 def test_graph_padding_with_triton_kernels_is_lossless():
-    env = dict(os.environ, TRITON_INTERPRET="1", HYBRIDSPEC_KERNELS="triton", PYTHONPATH=str(ROOT),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[-1])
+    out = run_interpreted(__file__, timeout=600)
     assert out["equal"], out
     assert out["drafted"] > 0 and out["buckets"] == [1, 4], out
 

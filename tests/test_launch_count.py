@@ -9,11 +9,11 @@ Run as a script by the test below (the interpreter must be set before triton is 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+from interp import run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_PER_LAYER = 24  # 21.75 now; 26.2 before the residual adds joined the norms and the router its bias and cast, 76.0 before any fusion
@@ -76,13 +76,7 @@ def main() -> None:
 
 
 def test_a_decode_step_launches_few_kernels_per_layer():
-    env = dict(os.environ, TRITON_INTERPRET="1", HYBRIDSPEC_KERNELS="triton", PYTHONPATH=str(ROOT),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[-1])
+    out = run_interpreted(__file__)
     assert out["triton"] > 0 and out["torch"].get("linear", 0) > 0  # both kinds were really counted
     assert out["per_layer"] <= MAX_PER_LAYER, out
 

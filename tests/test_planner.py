@@ -415,3 +415,58 @@ def test_serving_planner_search_is_nearly_as_good_as_the_full_one():
             (b, fast / full, fast / best_fixed, fast / budget)
         worst = min(worst, fast / full)
     assert worst <= 1.0 + 1e-12
+
+
+def test_speculation_gate_follows_measured_goodput_and_probes():
+    from workers.policy import SpeculationGate
+
+    gate = SpeculationGate()
+    decisions = []
+    for step in range(200):
+        draft = gate.should_draft(12)
+        decisions.append(draft)
+        # a world where speculation yields 1.5 tokens per request per step for 2x the step time: plain wins
+        gate.observe(12, draft, 18 if draft else 12, 20.0 if draft else 10.0)
+    tail = decisions[20:]
+    assert decisions[:6] == [True] * 3 + [False] * 3  # each side measured first, speculation first
+    assert 0 < sum(tail) <= len(tail) / SpeculationGate.PROBE + 1, sum(tail)  # only the probes draft
+    assert gate.bucket(12) == 16 and gate.bucket(1) == 1 and gate.bucket(16) == 16
+    gate = SpeculationGate()
+    for _ in range(200):
+        draft = gate.should_draft(3)
+        gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)  # speculation wins
+    assert gate.speculative_share() > 0.9
+
+
+def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
+    """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
+    always wrong, hybridspec's gate measures plain decoding faster and stops drafting except for probes; the
+    output stays the greedy output."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    from e2e import serve, tiny_config
+
+    from workers.bench_model import build_bench_model
+    from workers.cache import ModelCache
+    from workers.drafters import ReplayDrafter
+    from workers.runner import ModelRunner
+
+    torch.manual_seed(0)
+    model = build_bench_model(config=tiny_config(), dtype=torch.float32, device="cpu", decisive=True)
+    cfg, page_size, conc, new = model.config, 16, 2, 80
+    num_pages = conc * -(-(16 + new + 20) // page_size)
+    runner = ModelRunner(model, ModelCache(cfg, num_pages + 1, page_size, conc + 1, torch.float32, "cpu"))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(conc)]
+    greedy = serve(runner, prompts, new, 0, page_size, num_pages, "ar").tokens
+    replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3)
+    for p, cont in zip(prompts, greedy):
+        replay.set_reference(p, cont + [0] * 20)
+    runner.drafter = replay
+    res = serve(runner, prompts, new, 8, page_size, num_pages, "hybridspec")
+    assert res.tokens == greedy
+    gate = runner.policy.gate
+    assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps

@@ -103,6 +103,50 @@ class DevicePlanner:
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
 
 
+class SpeculationGate:
+    """hybridspec speculates only where it pays, measured on whole steps (drafting, planning, verification,
+    acceptance and commit included, which the latency model's forward times leave out): per batch-size bucket
+    an EWMA of output tokens per ms of decode steps with drafts and of plain decode steps. It drafts unless the
+    speculative side is measured slower, and every PROBE-th step it tries the losing side so that a change of
+    acceptance or load is seen. Each side is measured MIN_SAMPLES times first (speculative first)."""
+
+    PROBE, ALPHA, MIN_SAMPLES = 16, 0.25, 3
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> EWMA output tokens per ms
+        self.samples: dict[tuple[int, bool], int] = {}
+        self.asked: dict[int, int] = {}
+        self.decisions = [0, 0]  # steps decided plain, speculative
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, batch_size - 1).bit_length()
+
+    def should_draft(self, batch_size: int) -> bool:
+        b = self.bucket(batch_size)
+        if self.samples.get((b, True), 0) < self.MIN_SAMPLES:
+            draft = True
+        elif self.samples.get((b, False), 0) < self.MIN_SAMPLES:
+            draft = False
+        else:
+            self.asked[b] = self.asked.get(b, 0) + 1
+            spec_wins = self.rate[(b, True)] >= self.rate[(b, False)]
+            draft = spec_wins != (self.asked[b] % self.PROBE == 0)
+        self.decisions[draft] += 1
+        return draft
+
+    def observe(self, batch_size: int, drafted: bool, tokens: int, step_ms: float) -> None:
+        if step_ms <= 0:
+            return
+        key = (self.bucket(batch_size), drafted)
+        r = tokens / step_ms
+        self.rate[key] = r if key not in self.rate else (1 - self.ALPHA) * self.rate[key] + self.ALPHA * r
+        self.samples[key] = self.samples.get(key, 0) + 1
+
+    def speculative_share(self) -> float:
+        return self.decisions[1] / max(1, sum(self.decisions))
+
+
 @dataclass
 class StepObservation:
     tokens_per_request: list[int]
@@ -130,6 +174,7 @@ class LengthPolicy:
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
         self._pending_counts: list[torch.Tensor] | None = None
         self._touch: torch.Tensor | None = None  # [MoE layers, E] touch probabilities for the device planner
+        self.gate = SpeculationGate() if name == "hybridspec" else None
 
     @property
     def uses_extra_token(self) -> bool:
@@ -137,6 +182,15 @@ class LengthPolicy:
 
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
+
+    def should_draft(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` requests drafts at all (hybridspec's gate; the others always)."""
+        return self.gate is None or self.name == "ar" or not self.warm() or self.gate.should_draft(batch_size)
+
+    def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float) -> None:
+        """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`."""
+        if self.gate is not None and self.warm():
+            self.gate.observe(batch_size, drafted, tokens, step_ms)
 
     def observe_profile(self, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         """One synthetic step of the start-up profile (ModelRunner.profile): latency model, token costs and
@@ -214,6 +268,8 @@ class LengthPolicy:
         err = self.latency.error_stats()
         out = {"latency_samples": float(err.n), "latency_mean_abs_pct": err.mean_abs_pct,
                "latency_p90_abs_pct": err.p90_abs_pct}
+        if self.gate is not None:
+            out["speculative_step_share"] = self.gate.speculative_share()
         if drafter is not None and drafter in self.calibrator.drafters:
             cal = self.calibrator.stats(drafter)
             out.update(calibration_samples=float(cal.n), calibration_ece_raw=cal.ece_raw,

@@ -209,6 +209,9 @@ class ModelRunner:
         draft_reqs: list[DraftRequest] = []
         spec = [i for i, r in enumerate(requests)
                 if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0]
+        decode_only = all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
+        if spec and self.drafter is not None and decode_only and not self.policy.should_draft(len(requests)):
+            spec = []  # hybridspec's gate: plain decoding measured faster than speculation at this batch size
         if self.drafter is not None and self.policy.name != "ar" and spec:
             draft_reqs = [self._draft_request(requests[i]) for i in spec]
             proposal = self.drafter.propose(draft_reqs)
@@ -319,6 +322,10 @@ class ModelRunner:
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
             if learns_experts and moe and moe.distinct_experts else None,
             verified), moe.expert_counts if learns_experts and moe is not None else None)
+        if decode_only and self.drafter is not None and not self.last_step_captured:
+            self.policy.observe_outcome(len(requests), bool(draft_reqs),
+                                        sum(len(v) for v in result.new_tokens.values()),
+                                        (time.perf_counter() - start) * 1e3)
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)

@@ -1,0 +1,23 @@
+"""Runs a test module as a script under the Triton interpreter (TRITON_INTERPRET must be set before triton is
+imported, so in a fresh process) and returns the JSON object its last `{...}` line prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script: str | Path, timeout: int = 300, kernels: str | None = "triton") -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if kernels is not None:
+        env["HYBRIDSPEC_KERNELS"] = kernels
+    proc = subprocess.run([sys.executable, str(Path(script).resolve())], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
