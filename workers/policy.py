@@ -43,6 +43,10 @@ class DevicePlanner:
         self.capture = device.type == "cuda"  # the runner turns it off when its own graphs are off
         self.graphs: dict[int, tuple] = {}
         self.pool = None
+        # its own stream: reading the plan back then waits for the plan only, not for the drafter's kernels
+        # queued before it on the main stream (the host builds the verification step meanwhile)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._touch_src: dict[int, tuple] = {}  # bucket -> (its inputs, the touch table they hold)
 
     def _inputs(self, b: int, layers_experts: tuple[int, int]) -> dict[str, torch.Tensor]:
         f64, dev = torch.float64, self.device
@@ -61,6 +65,13 @@ class DevicePlanner:
 
     def plan(self, survival: list[list[float]], caps: list[int], tokens: list[int], fixed_ms: float,
              ms_per_token: float, ms_per_expert: float, touch: torch.Tensor) -> list[int]:
+        if self.stream is None:
+            return self._plan(survival, caps, tokens, fixed_ms, ms_per_token, ms_per_expert, touch)
+        with torch.cuda.stream(self.stream):
+            return self._plan(survival, caps, tokens, fixed_ms, ms_per_token, ms_per_expert, touch)
+
+    def _plan(self, survival: list[list[float]], caps: list[int], tokens: list[int], fixed_ms: float,
+              ms_per_token: float, ms_per_expert: float, touch: torch.Tensor) -> list[int]:
         n = len(survival)
         b = next((x for x in PLAN_BUCKETS if x >= n), n)
         entry = self.graphs.get(b)
@@ -71,7 +82,10 @@ class DevicePlanner:
         x["survival"].copy_(surv, non_blocking=True)
         x["caps"].copy_(torch.tensor([min(c, self.k) for c in caps] + [0] * (b - n)), non_blocking=True)
         x["tokens"].copy_(torch.tensor(tokens + [0] * (b - n)), non_blocking=True)
-        x["touch"].copy_(touch, non_blocking=True)
+        held = self._touch_src.get(b)
+        if held is None or held[0] is not x or held[1] is not touch:  # new only when routing statistics fold in
+            x["touch"].copy_(touch)  # (touch was made by a synchronous host-to-device copy: complete)
+            self._touch_src[b] = (x, touch)
         for name, v in (("fixed", fixed_ms), ("tok", ms_per_token), ("ex", ms_per_expert), ("gain", float(n))):
             x[name].fill_(v)
         if entry is None and self.capture:
@@ -101,6 +115,9 @@ class DevicePlanner:
         self.graphs[b] = (out, x, graph)
         return self.graphs[b]
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
+# routing statistics change slowly: a fold (host read, Python over layers x E, a new touch table for the planner)
+# every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
+COUNTS_FOLD_EVERY = 32
 
 
 class SpeculationGate:
@@ -172,7 +189,8 @@ class LengthPolicy:
         self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16))
         self.steps = 0
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
-        self._pending_counts: list[torch.Tensor] | None = None
+        self._pending_counts: torch.Tensor | None = None  # [MoE layers, E] routed tokens since the last fold
+        self._pending_steps = 0
         self._touch: torch.Tensor | None = None  # [MoE layers, E] touch probabilities for the device planner
         self.gate = SpeculationGate() if name == "hybridspec" else None
 
@@ -242,12 +260,15 @@ class LengthPolicy:
         self._learn_step_time(obs)
         if drafter is not None and obs.verified:
             self.calibrator.observe_step(drafter, obs.verified)
-        if expert_counts:  # routing popularity, folded in every few steps (pure Python, a few ms)
-            stacked = torch.stack(expert_counts).float().cpu()
-            self._pending_counts = [stacked] if self._pending_counts is None else self._pending_counts + [stacked]
-            if len(self._pending_counts) >= 8:
-                total = torch.stack(self._pending_counts).sum(0)
-                self.estimator.observe_counts(total.tolist())
+        if expert_counts:  # routing popularity: summed on the device, folded in every COUNTS_FOLD_EVERY steps
+            stacked = torch.stack(expert_counts)  # [MoE layers, E] (a copy: graph outputs are overwritten)
+            if self._pending_counts is None:
+                self._pending_counts, self._pending_steps = stacked, 0
+            else:
+                self._pending_counts.add_(stacked)
+            self._pending_steps += 1
+            if self._pending_steps >= COUNTS_FOLD_EVERY:  # one host read + pure Python over layers x E
+                self.estimator.observe_counts(self._pending_counts.float().cpu().tolist())
                 self._pending_counts = None
                 self._touch = None  # refreshed from the new routing statistics at the next plan
 
