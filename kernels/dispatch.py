@@ -77,6 +77,15 @@ def route(router_logits, top_k, renormalize, out_dtype=None, bias=None):
     return route_ref(router_logits, top_k, renormalize, out_dtype, bias)
 
 
+def expert_counts(topk_ids, token_mask, num_experts):
+    """(distinct experts, assignments per expert [E]) of the unmasked tokens (kernels.moe.expert_counts_ref)."""
+    if use_triton(topk_ids):
+        from kernels.moe_triton import expert_counts_triton
+        return expert_counts_triton(topk_ids, token_mask, num_experts)
+    from kernels.moe import expert_counts_ref
+    return expert_counts_ref(topk_ids, token_mask, num_experts)
+
+
 def distinct_experts(topk_ids, token_mask, num_experts):
     """Distinct experts the unmasked tokens touch, a device int64 scalar (kernels.moe.distinct_experts_ref)."""
     if use_triton(topk_ids):

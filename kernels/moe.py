@@ -76,3 +76,12 @@ def distinct_experts_ref(topk_ids: Tensor, token_mask: Tensor | None, num_expert
     hit = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
     hit.index_fill_(0, ids.reshape(-1), 1)
     return hit[:num_experts].sum()
+
+
+def expert_counts_ref(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(distinct experts touched, a device int64 scalar; routed assignments per expert [E] int64) of the
+    unmasked tokens: the routing statistics a step records, no host sync."""
+    kept = topk_ids if token_mask is None else torch.where(token_mask[:, None], topk_ids, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_ids.device)
+    counts.index_add_(0, kept.reshape(-1), torch.ones_like(kept.reshape(-1)))
+    return (counts[:num_experts] > 0).sum(), counts[:num_experts]

@@ -102,28 +102,44 @@ def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK
 
 
 @triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
-def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
-                             E_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: how many of the E experts the unmasked assignments touch (int64 scalar)."""
+def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, counts_ptr, NK, E, TOP_K: tl.constexpr,
+                             HAS_MASK: tl.constexpr, COUNTS: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: how many of the E experts the unmasked assignments touch (int64 scalar) and, with COUNTS,
+    the assignments per expert (int64 [E])."""
     e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     for start in range(0, NK, BLOCK):
         counts += tl.histogram(_kept_ids(ids_ptr, mask_ptr, start + tl.arange(0, BLOCK), NK, E, TOP_K, HAS_MASK),
                                E_P2)
     tl.store(out_ptr, tl.sum(((e < E) & (counts > 0)).to(tl.int64), axis=0))
+    if COUNTS:
+        tl.store(counts_ptr + e, counts.to(tl.int64), mask=e < E)
+
+
+def _expert_stats(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int,
+                  with_counts: bool) -> tuple[Tensor, Tensor | None]:
+    n, k = topk_ids.shape
+    dev = topk_ids.device
+    out = torch.zeros((), dtype=torch.int64, device=dev)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev) if with_counts else None
+    if n == 0:
+        return out, counts
+    ids = topk_ids.reshape(-1).contiguous()
+    mask = token_mask.view(torch.int8) if token_mask is not None else ids
+    _distinct_experts_kernel[(1,)](ids, mask, out, counts if with_counts else out, ids.numel(), num_experts,
+                                   TOP_K=k, HAS_MASK=token_mask is not None, COUNTS=with_counts,
+                                   E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=32, num_warps=4)
+    return out, counts
 
 
 def distinct_experts_triton(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> Tensor:
     """kernels.moe.distinct_experts_ref in one launch: topk_ids [N, k], token_mask [N] bool -> int64 scalar."""
-    n, k = topk_ids.shape
-    out = torch.zeros((), dtype=torch.int64, device=topk_ids.device)
-    if n == 0:
-        return out
-    ids = topk_ids.reshape(-1).contiguous()
-    mask = token_mask.view(torch.int8) if token_mask is not None else ids
-    _distinct_experts_kernel[(1,)](ids, mask, out, ids.numel(), num_experts, TOP_K=k, HAS_MASK=token_mask is not None,
-                                   E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=32, num_warps=4)
-    return out
+    return _expert_stats(topk_ids, token_mask, num_experts, False)[0]
+
+
+def expert_counts_triton(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> tuple[Tensor, Tensor]:
+    """kernels.moe.expert_counts_ref in the same single launch: (distinct experts, per-expert counts [E])."""
+    return _expert_stats(topk_ids, token_mask, num_experts, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
+    "expert_counts_masked",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
     "moe_plain", "moe_mask", "moe_one_token", "moe_block32", "moe_all_masked", "moe_hot_expert",
     "moe_unfused", "moe_mask_unfused", "moe_hot_unfused", "moe_align_fused_reduce_separate", "moe_counters_reset",
@@ -105,6 +106,16 @@ def _checks() -> dict:
             return f"dtype/shape {got.dtype} {tuple(got.shape)}"
         return abs(int(got) - int(ref))
 
+    def counts_case():
+        from kernels.moe import expert_counts_ref
+        from kernels.moe_triton import expert_counts_triton
+        ids, mask = torch.randint(0, 40, (37, 3)), torch.rand(37) < 0.6
+        (d, c), (d_ref, c_ref) = expert_counts_triton(ids, mask, 40), expert_counts_ref(ids, mask, 40)
+        if c.dtype != torch.int64 or not torch.equal(c, c_ref) or int(d) != int(d_ref):
+            return "counts or distinct differ"
+        return 0.0
+
+    checks["expert_counts_masked"] = counts_case
     checks["distinct_experts"] = lambda: distinct_case(False)
     checks["distinct_experts_masked"] = lambda: distinct_case(True)
 

@@ -47,12 +47,12 @@ class MoEContext:
                 if self.row_mask is not None:
                     self.token_mask = self.token_mask & self.row_mask
         mask = self.token_mask
-        self.distinct_experts.append(dispatch.distinct_experts(ids, mask, num_experts))
-        if self.collect_counts:
-            kept = ids if mask is None else torch.where(mask[:, None], ids, num_experts)
-            counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-            counts.index_add_(0, kept.reshape(-1), torch.ones_like(kept.reshape(-1)))
-            self.expert_counts.append(counts[:num_experts])
+        if self.collect_counts:  # one kernel for both statistics
+            distinct, counts = dispatch.expert_counts(ids, mask, num_experts)
+            self.expert_counts.append(counts)
+        else:
+            distinct = dispatch.distinct_experts(ids, mask, num_experts)
+        self.distinct_experts.append(distinct)
         return mask
 
 
