@@ -11,8 +11,10 @@ Phase 2: N processes, each builds the same random weights from the same seed, th
 or `--placement popularity`: rank 0 measures routed-token counts per layer on the prompts' prefill and the
 placement balances them). Every rank runs the engine's scheduler over all requests (it is deterministic), executes
 its own requests (request i on rank i % N; an idle rank only takes part in the exchanges), and the step results
-are all-gathered over a side gloo group. Eager (no CUDA graphs) in both phases: the exchange reads its split
-sizes on the host (`--single-graphs` gives the single GPU its CUDA graphs, the engine's best there).
+are all-gathered over a side gloo group; every rank also computes every rank's row bound for the step
+(`step_rows_bound`), which sizes the MoE exchanges' static all-to-alls (no host sync in the layers). Eager (no
+CUDA graphs) in both phases: graphs under EP are not done (`--single-graphs` gives the single GPU its CUDA graphs,
+the engine's best there).
 
 Warm-up covers what is timed: before each timed (phase, policy, concurrency) cell the same workload runs once
 untimed (same prompts, policy, draft cap and --max-new; `--warm-new N` shortens it). Eager steps see the
@@ -172,6 +174,10 @@ class Rank:
                 dist.broadcast_object_list(counts, src=0, group=self.objects)
                 self.placement = [popularity_placement(c, self.world) for c in counts[0]]
             shard_model_(self.model, placement=self.placement)
+            if args.exchange == "dynamic":  # the previous exchange: split sizes read on the host in every layer
+                from workers.expert_parallel import moe_layers
+                for mlp in moe_layers(self.model):
+                    mlp.ep.static = False
             set_timing(self.model, True)
             if self.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -214,7 +220,7 @@ class Rank:
         from scheduler.request import Request
         from scheduler.scheduler import Scheduler
         from scheduler.types import SamplingParams, StepRequest, StepResult
-        from workers.expert_parallel import comm_ms, execute_rank
+        from workers.expert_parallel import comm_ms, execute_rank, step_rows_bound
 
         runner = self.runner
         if not keep_policy:
@@ -243,7 +249,9 @@ class Rank:
                                         c.request.all_ids if c.draft_cap else []))
             t0 = time.perf_counter()
             if self.ep:
-                mine, _ = execute_rank(runner, [w for w in work if owner[w.request_id] == self.rank])
+                per_rank = [[w for w in work if owner[w.request_id] == r] for r in range(self.world)]
+                rows = [step_rows_bound(p) for p in per_rank]  # every rank runs this scheduler: same list
+                mine, _ = execute_rank(runner, per_rank[self.rank], rows)
                 self.sync()
                 parts: list = [None] * self.world
                 dist.all_gather_object(parts, mine, group=self.objects)
@@ -388,6 +396,8 @@ def main() -> None:
     ap.add_argument("--acceptance", type=float, default=0.85, help="replay drafter acceptance")
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--placement", default="even", choices=["even", "popularity"])
+    ap.add_argument("--exchange", default="static", choices=["static", "dynamic"],
+                    help="static: host-known capacities, no sync in the layers; dynamic: exact splits read per layer")
     ap.add_argument("--skip-single", action="store_true", help="only the expert-parallel phase")
     ap.add_argument("--single-graphs", action="store_true",
                     help="CUDA graphs in the single-GPU phase (its best; EP stays eager). Default: both eager")
@@ -414,7 +424,7 @@ def main() -> None:
     meta = {"gpus": args.gpus, "layers": 4 if args.tiny else args.layers, "tiny": args.tiny,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
             "prompt_len": args.prompt_len, "max_new": args.max_new, "acceptance": args.acceptance,
-            "placement": args.placement, "ar_greedy_match_ep_vs_single": match, "wall_s": time.perf_counter() - t0,
+            "placement": args.placement, "exchange": args.exchange, "ar_greedy_match_ep_vs_single": match, "wall_s": time.perf_counter() - t0,
             "warm_new": args.warm_new or args.max_new,
             "single_gpu_graphs": args.single_graphs, "ep_graphs": False}
     rows = single["rows"] + ep["rows"]

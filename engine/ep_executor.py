@@ -7,8 +7,9 @@ GDN slot, sampling and drafting state. Ray places the actors and carries only St
 per-layer tensors go through the collectives.
 
 Every engine step calls every rank (an empty list included: an idle rank still takes part in each MoE layer's
-all-to-all) and waits for all; the step's StepResult is the union of the ranks', and its `step_ms` the slowest
-rank's (`last_rank_ms` keeps each rank's target forward time).
+all-to-all), with every rank's row bound for the step (`step_rows_bound` of what each rank gets: the
+exchanges' static split sizes), and waits for all; the step's StepResult is the union of the ranks', and its
+`step_ms` the slowest rank's (`last_rank_ms` keeps each rank's target forward time).
 
 Page and slot ids are the engine's global ones, so every rank allocates the full page and slot pools (memory
 cost: N copies of the KV/GDN pools; per-rank pools are not done).
@@ -33,7 +34,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from engine.executor import WorkerLost, WorkerSpec, build_runner
 from engine.ray_executor import DEFAULT_NUM_CPUS, _init_ray
 from scheduler.types import StepRequest, StepResult
-from workers.expert_parallel import ExpertParallelActor
+from workers.expert_parallel import ExpertParallelActor, step_rows_bound
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ class ExpertParallelExecutor:
             raise ValueError(f"expert_parallel must be an integer >= 1, got {spec.expert_parallel!r}")
         self._owns_ray = _init_ray(address, max(DEFAULT_NUM_CPUS, self.world_size))
         self.on_gpu = spec.device.startswith("cuda")
-        # Ray gives each actor one GPU through CUDA_VISIBLE_DEVICES ("cuda" inside it); no CUDA graphs: the
-        # exchange reads its split sizes on the host; no start-up profile (it would run the exchange outside the
-        # lockstep of engine steps): the learned policies explore for their first steps instead
+        # Ray gives each actor one GPU through CUDA_VISIBLE_DEVICES ("cuda" inside it); no CUDA graphs (not done
+        # under EP yet: the exchange's shapes follow each step's row bounds); no start-up profile (it would run
+        # the exchange outside the lockstep of engine steps): the learned policies explore for their first steps
+        # instead
         self.spec = dataclasses.replace(spec, device="cuda" if self.on_gpu else spec.device,
                                         graph_pages_per_request=0, startup_profile=False)
         self.placement = placement
@@ -137,7 +139,10 @@ class ExpertParallelExecutor:
         per_rank: list[list[StepRequest]] = [[] for _ in range(self.world_size)]
         for r in requests:
             per_rank[self._rank_of(r.request_id)].append(r)
-        replies = self._gather([a.execute.remote(work) for a, work in zip(self.actors, per_rank)])
+        # every rank's row bound this step, to every rank: the MoE exchanges size their all-to-alls from it
+        # (host-known split sizes: no host sync in the layers)
+        rows = [step_rows_bound(work) for work in per_rank]
+        replies = self._gather([a.execute.remote(work, rows) for a, work in zip(self.actors, per_rank)])
         merged = StepResult()
         for result, _ in replies:
             merged.new_tokens.update(result.new_tokens)

@@ -62,6 +62,7 @@ def _ep_rank(rank: int, world: int, port: int, path: str) -> None:
         owner = PLACEMENT if name == "placement" else None
         shard = ExpertShard(owner, rank, world) if owner else ExpertShard.even(16, world, rank)
         shard_moe_(moe, shard, first=True)
+        moe.ep.step_rows = [x_.shape[0] for x_ in case["x"]]  # the static exchange's capacities: exact here
         assert moe.experts.gate_up_proj.shape[0] == len(shard.local_experts)
         x = case["x"][rank]
         with torch.inference_mode():
@@ -126,6 +127,151 @@ def test_exchange_over_two_gloo_ranks_equals_one_process(tmp_path):
             assert y.shape == want.shape, name
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=name)
             assert n0 == got[0][name][0].shape[0]
+
+
+# ---------------------------------------------------- the static exchange: slack capacities, no host sync
+STATIC = {  # case -> (tokens per rank, row capacity per rank (>= tokens), extra rows, row mask (False: padding))
+    "rank1_empty": ((5, 0), (7, 0), ([0, 0, 1, 0, 0], []), ([1, 1, 1, 1, 0], [])),
+    "rank1_one": ((5, 1), (9, 2), ([0, 0, 1, 0, 1], [1]), ([1, 1, 1, 1, 1], [1])),
+    "rank0_padding": ((5, 1), (5, 3), ([0, 1, 0, 0, 0], [0]), ([1, 1, 0, 1, 0], [1])),
+    "dynamic": ((5, 1), (5, 1), ([0, 0, 1, 0, 1], [1]), ([1, 1, 1, 1, 0], [1])),  # the old exchange
+}
+
+
+class HostSyncs:
+    """Records the ops in its scope that read device data on the host (a host sync on a GPU): a scalar read
+    (item / bool / int: aten._local_scalar_dense), Tensor.tolist, and ops whose output shape depends on the data
+    (nonzero, boolean-mask indexing, unique, bincount, repeat_interleave without output_size). `dispatch.fused_moe`
+    is exempt: its CPU reference reads its expert counts (the Triton kernel does not)."""
+
+    def __init__(self):
+        self.hits: list[str] = []
+        self.paused = 0
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from kernels import dispatch
+
+        aten = torch.ops.aten
+        forbidden = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                     aten.unique_consecutive.default, aten._unique2.default, aten.unique_dim.default,
+                     aten.bincount.default, aten.is_nonzero.default, aten.equal.default}
+        rec = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if not rec.paused:
+                    bad = func in forbidden
+                    if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor):
+                        bad = kwargs.get("output_size") is None
+                    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+                        bad = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or [])
+                    if bad:
+                        rec.hits.append(str(func))
+                return func(*args, **kwargs)
+
+        self._fused_moe, self._tolist = dispatch.fused_moe, torch.Tensor.tolist
+
+        def fused_moe(*args, **kwargs):
+            self.paused += 1
+            try:
+                return self._fused_moe(*args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        def tolist(t):
+            if not self.paused:
+                self.hits.append("Tensor.tolist")
+            return self._tolist(t)
+
+        dispatch.fused_moe, torch.Tensor.tolist = fused_moe, tolist
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from kernels import dispatch
+
+        self.mode.__exit__(*exc)
+        dispatch.fused_moe, torch.Tensor.tolist = self._fused_moe, self._tolist
+
+
+def _static_rank(rank: int, world: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    from workers.expert_parallel import ExpertShard, init_group, shard_moe_
+    from workers.model import MoEContext
+
+    init_group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
+    data = torch.load(path)
+    out = {}
+    for name, case in data["cases"].items():
+        moe = _fresh_moe(data["state"])
+        shard_moe_(moe, ExpertShard.even(16, world, rank), first=True)
+        moe.ep.step_rows = list(case["rows"])
+        moe.ep.static = name != "dynamic"
+        x = case["x"][rank]
+        ctx = MoEContext(extra_rows=case["extra"][rank], row_mask=case["row_mask"][rank])
+        with torch.inference_mode(), HostSyncs() as syncs:
+            y = moe(x, ctx)
+        out[name] = (y, ctx.token_mask, syncs.hits)
+    torch.save(out, f"{path}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_static_exchange_uneven_capacities_masks_and_no_host_sync(tmp_path):
+    """The static-split exchange (row capacities above the real rows, a rank with 0 or 1 token, the router
+    correction, padding rows) gives the single-process layer output, with no host sync in the layer; the old
+    exchange gives it too, and the detector sees its host read."""
+    from workers.model import MoEContext, SparseMoe
+
+    torch.manual_seed(1)
+    cfg = _moe_config()
+    ref = SparseMoe(cfg, torch.float32, "cpu")
+    for p in ref.parameters():
+        p.data.copy_(torch.randn(p.shape) / (p.shape[-1] ** 0.5) if p.dim() > 1 else 0.1 * torch.randn(p.shape))
+    cases = {}
+    for name, (tokens, rows, extra, row_mask) in STATIC.items():
+        cases[name] = {"x": [torch.randn(n, cfg.hidden_size) for n in tokens], "rows": rows,
+                       "extra": [torch.tensor(e, dtype=torch.bool).reshape(-1) for e in extra],
+                       "row_mask": [torch.tensor(m, dtype=torch.bool).reshape(-1) for m in row_mask]}
+    path = str(tmp_path / "static.pt")
+    torch.save({"state": ref.state_dict(), "cases": cases}, path)
+    mp.spawn(_static_rank, args=(2, free_port(), path), nprocs=2, join=True)
+    got = [torch.load(f"{path}.{r}") for r in range(2)]
+    with torch.inference_mode():
+        for name, case in cases.items():
+            ctx = MoEContext(extra_rows=torch.cat(case["extra"]), row_mask=torch.cat(case["row_mask"]))
+            want = ref(torch.cat(case["x"]), ctx)
+            assert not ctx.token_mask.all(), name
+            assert torch.equal(torch.cat([got[0][name][1], got[1][name][1]]), ctx.token_mask), name
+            y = torch.cat([got[0][name][0], got[1][name][0]])
+            assert y.shape == want.shape, name
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=name)
+            for r in range(2):
+                hits = got[r][name][2]
+                if name == "dynamic":
+                    assert "Tensor.tolist" in hits, (r, hits)  # the detector sees the old host read
+                else:
+                    assert hits == [], (name, r, hits)
+
+
+def test_static_exchange_checks_its_capacity():
+    from scheduler.types import SamplingParams, StepRequest
+    from workers.expert_parallel import ExpertParallelMoE, ExpertShard, step_rows_bound
+
+    ep = ExpertParallelMoE(ExpertShard.even(8, 2, 0))
+    with pytest.raises(RuntimeError, match="step_rows"):
+        ep.capacities(3)
+    ep.step_rows = [2, 5]
+    with pytest.raises(RuntimeError, match="capacity"):
+        ep.capacities(3)
+    assert ep.capacities(2) == [2, 5]
+    assert ExpertParallelMoE(ExpertShard.even(8, 1, 0)).capacities(4) == [4]  # one rank: its own rows
+    decode = StepRequest("a", [5], 12, [0], 0, True, SamplingParams(), 4, [1] * 13)
+    prefill = StepRequest("b", [1, 2, 3], 0, [1], 1, False, SamplingParams(), 4, [])
+    assert step_rows_bound([decode, prefill]) == (1 + 4) + 3 and step_rows_bound([]) == 0
 
 
 def test_placement_helpers():

@@ -5,14 +5,21 @@ requests). Around every MoE layer the ranks exchange token rows with all-to-all:
 1. route locally (every rank has the router); the first MoE layer of a forward also all-reduces (max) the experts
    covered by the ranks' non-extra tokens, so the router correction keeps an extra verification token only where
    all its experts are activated somewhere in the deployment (on their owners);
-2. one row per kept (token, expert) pair, sorted by the expert's position in the rank-major layout (experts of
-   rank 0 in local order, then rank 1, ...); per-expert row counts go first (`all_to_all_single`, E integers), and
-   one host read of the split sizes follows (all_to_all_single needs them on the host: the only host sync of the
-   layer; avoiding it would take fixed-capacity padded buffers, not done);
-3. hidden-state rows go to the experts' owners, which run them through the existing `dispatch.fused_moe` with
-   their local expert ids (recovered from the counts, so no ids are sent) and weight 1; the results come back with
-   the inverse all-to-all and the sender applies the routing weights and sums per token.
-Masked tokens (router correction) are not sent. The shared expert stays local.
+2. static-split exchange (no host read, no count exchange): every rank knows, on the host, every rank's row
+   capacity for the step (`step_rows`, an upper bound on the rows of its forward, set before the forward by
+   `execute_rank` from what the driver / scheduler sends each rank: `step_rows_bound`). Rank s sends each peer a
+   fixed block of C_s = step_rows[s] rows: token n goes to peer d once (slot = its rank among the tokens with an
+   expert on d, a cumsum), whatever number of its top-k experts d owns, with a [2k] fp32 side row (d's local expert
+   id per routing slot, -1 where that expert is elsewhere or the token is masked, and the routing weights). So
+   both all-to-alls have host-known splits: [C_me] * W sent, [C_s for s] received;
+3. the receiver expands its rows to one row per (row, routing slot) and runs them through the existing
+   `dispatch.fused_moe` (ids [R*k, 1], weight 1, token_mask = slot valid: padding rows and other ranks' slots cost
+   no expert work), weights and sums each row's local results in fp32, and sends the fp32 partial sums back with
+   the inverse all-to-all; the sender adds each token's per-rank partials (fp32, rounded once).
+Masked tokens (router correction, padding rows) send nothing and get no routed output. The shared expert stays
+local. No host sync in the layer (CUDA-graph friendly shapes: they depend on the step's capacities only). The old
+exchange (counts all-to-all + one host read of the split sizes per layer) stays behind `ExpertParallelMoE.static =
+False`.
 
 Lockstep: every MoE layer is a collective, so every rank runs one target forward per engine step; a rank with no
 requests runs `idle_forward` (only the per-layer exchanges, with zero rows). Drafters (draft model, MTP head)
@@ -67,6 +74,13 @@ class ExpertShard:
         self.position = torch.tensor(position, dtype=torch.long)
         self.rank_of_position = torch.tensor(
             [r for r, n in enumerate(self.num_local) for _ in range(n)], dtype=torch.long)
+        # static exchange: each expert's owner and its index among the owner's local experts
+        self.rank_of = torch.tensor(self.owner, dtype=torch.long)
+        local_index = [0] * self.num_experts
+        for experts in self.experts_of:
+            for i, e in enumerate(experts):
+                local_index[e] = i
+        self.local_index = torch.tensor(local_index, dtype=torch.long)
 
     @classmethod
     def even(cls, num_experts: int, world_size: int, rank: int) -> ExpertShard:
@@ -102,9 +116,15 @@ class ExpertParallelMoE:
     def __init__(self, shard: ExpertShard, group: Any = None, first: bool = False):
         self.shard, self.group, self.first = shard, group, first
         self.timing = False
+        self.static = True  # False: the old exchange (counts all-to-all + a host read of the splits per layer)
+        # every rank's row capacity for the current step (host ints, the same list on every rank); set before
+        # each forward (`set_step_rows`); None with one rank: this forward's own rows
+        self.step_rows: list[int] | None = None
         self._spans: list[tuple[Any, Any]] = []
         self._position: Tensor | None = None
         self._rank_of_position: Tensor | None = None
+        self._rank_of: Tensor | None = None
+        self._local_index: Tensor | None = None
 
     # collectives, optionally timed
     def _timed(self, fn: Callable[[], Any], device: torch.device) -> None:
@@ -158,14 +178,100 @@ class ExpertParallelMoE:
                 ctx.token_mask = mask if row_mask is None else mask & row_mask
         # the mask of this layer, and what the latency model learns (this rank's batch: distinct experts, counts)
         token_mask = ctx.mask_for(ids, num_experts) if ctx is not None else None
-        routed = self.exchange(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids, token_mask)
+        exchange = self.exchange if self.static else self.exchange_dynamic
+        routed = exchange(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids, token_mask)
         shared = moe.shared_output(x)
         return routed + shared
 
+    def _static_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self._rank_of is None or self._rank_of.device != device:
+            self._rank_of = self.shard.rank_of.to(device)
+            self._local_index = self.shard.local_index.to(device)
+        return self._rank_of, self._local_index
+
+    def capacities(self, num_rows: int) -> list[int]:
+        """Every rank's row capacity this step (host ints): `step_rows`, checked against this rank's rows."""
+        shard = self.shard
+        rows = self.step_rows
+        if rows is None:
+            if shard.world_size != 1:
+                raise RuntimeError("expert-parallel exchange: step_rows (every rank's row capacity this step) not "
+                                   "set; call set_step_rows(model, rows) / execute_rank(runner, requests, rows)")
+            rows = [num_rows]
+        if len(rows) != shard.world_size or num_rows > rows[shard.rank]:
+            raise RuntimeError(f"expert-parallel exchange: rank {shard.rank} has {num_rows} rows, its step capacity "
+                               f"is {rows[shard.rank] if len(rows) == shard.world_size else '?'} (step_rows {rows})")
+        return [int(r) for r in rows]
+
     def exchange(self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor,
                  token_mask: Tensor | None = None) -> Tensor:
-        """sum_j weights[n, j] * expert_{ids[n, j]}(x_n) with the experts on their owners: [N, H]. `w_gate_up` /
-        `w_down` hold this rank's experts only (local order)."""
+        """sum_j weights[n, j] * expert_{ids[n, j]}(x_n) with the experts on their owners: [N, H], through the
+        static-split exchange (module docstring; no host sync). `w_gate_up` / `w_down` hold this rank's experts
+        only (local order)."""
+        shard, group = self.shard, self.group
+        world, me = shard.world_size, shard.rank
+        num_tokens, top_k = ids.shape
+        hidden, dev = x.shape[1], x.device
+        caps = self.capacities(num_tokens)  # host ints
+        cap = caps[me]
+        n_send, n_recv = world * cap, sum(caps)
+        if n_recv == 0 and n_send == 0:
+            return torch.zeros_like(x)
+        rank_of, local_index = self._static_tables(dev)
+        # per (token, peer): does the token go there (one row, however many of its experts the peer owns) and where
+        dest = rank_of[ids]  # [N, k]
+        if token_mask is not None:
+            dest = torch.where(token_mask[:, None], dest, world)  # masked: sent nowhere
+        hit = torch.zeros(num_tokens, world + 1, dtype=torch.int32, device=dev).scatter_(1, dest, 1)[:, :world]
+        slot = torch.cumsum(hit, dim=0) - 1  # [N, W] rank among the tokens going to each peer
+        base = torch.arange(world, device=dev) * cap
+        row = torch.where(hit.bool(), base + slot, n_send)  # [N, W] send-buffer row; n_send: not sent (dump row)
+        # the token filling each send row (num_tokens for a padding row; its data is whatever, never used)
+        token_of_row = torch.full((n_send + 1,), num_tokens, dtype=torch.long, device=dev)
+        token_ids = torch.arange(num_tokens, device=dev)[:, None].expand(num_tokens, world)
+        token_of_row.scatter_(0, row.reshape(-1), token_ids.reshape(-1))
+        token_of_row = token_of_row[:n_send]
+        send_x = x.index_select(0, token_of_row.clamp(max=num_tokens - 1)) if num_tokens else \
+            x.new_zeros(n_send, hidden)
+        # side row per send row: k local expert ids (-1: none) then k routing weights (fp32, 0 where no id)
+        pair_row = row.gather(1, dest.clamp(max=world - 1))  # [N, k] the row of each (token, expert) pair
+        if token_mask is not None:
+            pair_row = torch.where(token_mask[:, None], pair_row, n_send)
+        meta = torch.zeros(n_send + 1, 2 * top_k, dtype=torch.float32, device=dev)
+        meta[:, :top_k] = -1.0
+        col = torch.arange(top_k, device=dev)
+        flat = (pair_row * (2 * top_k) + col).reshape(-1)
+        meta.view(-1).scatter_(0, flat, local_index[ids].reshape(-1).float())
+        meta.view(-1).scatter_(0, flat + top_k, weights.reshape(-1).float())
+        meta = meta[:n_send]
+        # the exchange: every split host-known
+        send_splits, recv_splits = [cap] * world, caps
+        recv_x = x.new_empty(n_recv, hidden)
+        recv_meta = meta.new_empty(n_recv, 2 * top_k)
+        self._timed(lambda: dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=group), dev)
+        self._timed(lambda: dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=group), dev)
+        # this rank's experts over every received (row, routing slot); invalid slots cost no expert work
+        local_ids = recv_meta[:, :top_k].long()  # [R, k]
+        valid = local_ids >= 0
+        if shard.num_local[me] and n_recv:
+            rows_x = recv_x[:, None, :].expand(n_recv, top_k, hidden).reshape(n_recv * top_k, hidden)
+            y = dispatch.fused_moe(rows_x, w_gate_up, w_down,
+                                   x.new_ones(n_recv * top_k, 1), local_ids.clamp(min=0).reshape(-1, 1),
+                                   valid.reshape(-1))  # [R*k, H], 0 for invalid slots
+            w = torch.where(valid, recv_meta[:, top_k:], 0.0)
+            part = torch.bmm(w[:, None, :], y.view(n_recv, top_k, hidden).float()).squeeze(1)  # [R, H] fp32
+        else:
+            part = torch.zeros(n_recv, hidden, dtype=torch.float32, device=dev)
+        back = part.new_empty(n_send, hidden)
+        self._timed(lambda: dist.all_to_all_single(back, part, send_splits, recv_splits, group=group), dev)
+        out = torch.zeros(num_tokens + 1, hidden, dtype=torch.float32, device=dev)  # fp32 sum, rounded once
+        out.index_add_(0, token_of_row, back)
+        return out[:num_tokens].to(x.dtype)
+
+    def exchange_dynamic(self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor,
+                         token_mask: Tensor | None = None) -> Tensor:
+        """As `exchange`, the old way: per-expert counts all-to-all, then one host read of the split sizes (a host
+        sync per layer); exact-size buffers, one row per (token, expert) pair."""
         shard, group = self.shard, self.group
         world, me = shard.world_size, shard.rank
         num_experts, top_k = shard.num_experts, ids.shape[1]
@@ -255,6 +361,27 @@ def idle_forward(model: nn.Module) -> None:
         mlp.ep(mlp, x, x.new_empty(0, mlp.top_k), ids, None)
 
 
+def set_step_rows(model: nn.Module, rows: Sequence[int] | None) -> None:
+    """Every rank's row capacity for the next forward (host ints, the same list on every rank): each MoE layer's
+    static exchange sizes its buffers from it."""
+    rows = None if rows is None else [int(r) for r in rows]
+    for mlp in moe_layers(model):
+        if mlp.ep is not None:
+            mlp.ep.step_rows = rows
+
+
+def step_rows_bound(requests: Sequence[Any]) -> int:
+    """An upper bound on the rows of the target forward `ModelRunner.execute(requests)` runs, from the plain step
+    data alone (what the driver knows): each request's new tokens, plus up to `draft_cap` drafted tokens (the
+    router-correction extra token included) for a decode that may speculate. Exact without speculation."""
+    rows = 0
+    for r in requests:
+        rows += len(r.tokens)
+        if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0:
+            rows += r.draft_cap
+    return rows
+
+
 def set_timing(model: nn.Module, on: bool) -> None:
     for mlp in moe_layers(model):
         if mlp.ep is not None:
@@ -308,12 +435,15 @@ def _observe_slowest(runner: Any) -> None:
     policy._observes_slowest = True
 
 
-def execute_rank(runner: Any, requests: list) -> tuple[Any, float]:
+def execute_rank(runner: Any, requests: list, step_rows: Sequence[int] | None = None) -> tuple[Any, float]:
     """One rank's part of an engine step: (StepResult, this rank's target forward ms). Every rank must call it
-    every step: with no requests it runs only the exchanges (`idle_forward`) and the step-time reduction."""
+    every step: with no requests it runs only the exchanges (`idle_forward`) and the step-time reduction.
+    `step_rows`: every rank's `step_rows_bound` of its requests this step (the same list on every rank); needed
+    with more than one rank."""
     from scheduler.types import StepResult
 
     _observe_slowest(runner)
+    set_step_rows(runner.model, step_rows)
     if requests:
         runner.ep_forward_ms = 0.0
         return runner.execute(requests), runner.ep_forward_ms
@@ -337,7 +467,7 @@ class ExpertParallelActor:
         self.rank, self.world_size = rank, world_size
         self.backend = init_group(rank, world_size, init_method, device, timeout_s)
         self.runner = factory()
-        self.runner.graph_config = None  # no CUDA graphs: the exchange reads its split sizes on the host
+        self.runner.graph_config = None  # no CUDA graphs (yet): the exchange's buffers follow the step's capacities
         self.runner.set_planner_graphs(True)  # the planner runs no collectives: its graph stays (CUDA only)
         self.shards = shard_model_(self.runner.model, placement=placement)
         self.incarnation = uuid.uuid4().hex
@@ -345,9 +475,9 @@ class ExpertParallelActor:
     def ready(self) -> tuple[str, int]:
         return self.incarnation, os.getpid()
 
-    def execute(self, requests: list) -> tuple[Any, float]:
-        """(StepResult, this rank's forward ms)."""
-        return execute_rank(self.runner, requests)
+    def execute(self, requests: list, step_rows: Sequence[int] | None = None) -> tuple[Any, float]:
+        """(StepResult, this rank's forward ms). `step_rows`: every rank's row bound this step (execute_rank)."""
+        return execute_rank(self.runner, requests, step_rows)
 
     def release(self, request_ids: list[str]) -> None:
         self.runner.release(request_ids)
