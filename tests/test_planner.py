@@ -436,6 +436,21 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
         draft = gate.should_draft(3)
         gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)  # speculation wins
     assert gate.speculative_share() > 0.9
+    # an optimistic plain-rate hint that speculation beats clearly: plain decoding is never explored, only probed
+    gate = SpeculationGate()
+    first = []
+    for _ in range(20):
+        draft = gate.should_draft(3, plain_hint=0.5)
+        first.append(draft)
+        gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)  # 1.0 tokens/ms > 1.2 x 0.5
+    assert all(first), first
+    gate = SpeculationGate()  # a hint that speculation does not beat by the margin: plain is measured
+    decisions = []
+    for _ in range(8):
+        draft = gate.should_draft(3, plain_hint=0.9)
+        decisions.append(draft)
+        gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)
+    assert decisions[3:6] == [False] * 3, decisions
 
 
 def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():

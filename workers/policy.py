@@ -125,9 +125,12 @@ class SpeculationGate:
     acceptance and commit included, which the latency model's forward times leave out): per batch-size bucket
     an EWMA of output tokens per ms of decode steps with drafts and of plain decode steps. It drafts unless the
     speculative side is measured slower, and every PROBE-th step it tries the losing side so that a change of
-    acceptance or load is seen. Each side is measured MIN_SAMPLES times first (speculative first)."""
+    acceptance or load is seen. Each side is measured MIN_SAMPLES times first (speculative first), except that
+    plain decoding is not explored where the speculative side already beats `plain_hint` (the latency model's
+    forward-only prediction of a plain step: an optimistic plain rate) by HINT_MARGIN: short runs and the
+    batch-size buckets met as requests finish paid three plain steps each (bench/NOTES.md, e2e at 69c5b6d)."""
 
-    PROBE, ALPHA, MIN_SAMPLES = 16, 0.25, 3
+    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN = 16, 0.25, 3, 1.2
 
     def __init__(self) -> None:
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> EWMA output tokens per ms
@@ -139,11 +142,16 @@ class SpeculationGate:
     def bucket(batch_size: int) -> int:
         return 1 << max(0, batch_size - 1).bit_length()
 
-    def should_draft(self, batch_size: int) -> bool:
+    def should_draft(self, batch_size: int, plain_hint: float | None = None) -> bool:
+        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms at this batch size."""
         b = self.bucket(batch_size)
-        if self.samples.get((b, True), 0) < self.MIN_SAMPLES:
+        spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
+        if spec_n < self.MIN_SAMPLES:
             draft = True
-        elif self.samples.get((b, False), 0) < self.MIN_SAMPLES:
+        elif plain_n < self.MIN_SAMPLES and plain_hint is not None and \
+                self.rate[(b, True)] > self.HINT_MARGIN * plain_hint:
+            draft = True  # clearly ahead of even an optimistic plain step: no need to try one
+        elif plain_n < self.MIN_SAMPLES:
             draft = False
         else:
             self.asked[b] = self.asked.get(b, 0) + 1
@@ -201,9 +209,12 @@ class LengthPolicy:
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
 
-    def should_draft(self, batch_size: int) -> bool:
-        """Whether a decode step of `batch_size` requests drafts at all (hybridspec's gate; the others always)."""
-        return self.gate is None or self.name == "ar" or not self.warm() or self.gate.should_draft(batch_size)
+    def should_draft(self, contexts: list[int]) -> bool:
+        """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always)."""
+        if self.gate is None or self.name == "ar" or not self.warm():
+            return True
+        plain_ms = self.latency.predict(StepComposition([1] * len(contexts), contexts, self.num_moe_layers))
+        return self.gate.should_draft(len(contexts), len(contexts) / plain_ms if plain_ms > 0 else None)
 
     def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float) -> None:
         """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`."""

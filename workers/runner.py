@@ -210,7 +210,8 @@ class ModelRunner:
         spec = [i for i, r in enumerate(requests)
                 if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0]
         decode_only = all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
-        if spec and self.drafter is not None and decode_only and not self.policy.should_draft(len(requests)):
+        if spec and self.drafter is not None and decode_only and \
+                not self.policy.should_draft([r.context_len for r in requests]):
             spec = []  # hybridspec's gate: plain decoding measured faster than speculation at this batch size
         if self.drafter is not None and self.policy.name != "ar" and spec:
             draft_reqs = [self._draft_request(requests[i]) for i in spec]
