@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--modes", default="eager,graphs", help="eager and/or graphs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -97,7 +98,7 @@ def main() -> None:
         lines.append(msg)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    for mode in ("eager", "graphs"):
+    for mode in args.modes.split(","):
         if mode == "graphs":
             if device != "cuda":
                 break
