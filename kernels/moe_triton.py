@@ -90,6 +90,13 @@ def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype
     return weights, ids
 
 
+def _mask_i8(token_mask: Tensor) -> Tensor:
+    """A [N] token mask as int8 for the kernels: a contiguous bool mask is reinterpreted (no copy, no launch)."""
+    if token_mask.dtype == torch.bool and token_mask.is_contiguous():
+        return token_mask.view(torch.int8)
+    return (token_mask != 0).to(torch.int8).contiguous()
+
+
 @triton.jit
 def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr):
     """Experts of assignments `offs` as int32; E (a bin of its own) where out of range or the token is masked."""
@@ -125,10 +132,12 @@ def _expert_stats(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int,
     if n == 0:
         return out, counts
     ids = topk_ids.reshape(-1).contiguous()
-    mask = token_mask.view(torch.int8) if token_mask is not None else ids
-    _distinct_experts_kernel[(1,)](ids, mask, out, counts if with_counts else out, ids.numel(), num_experts,
+    mask = _mask_i8(token_mask) if token_mask is not None else ids
+    nk = ids.numel()
+    _distinct_experts_kernel[(1,)](ids, mask, out, counts if with_counts else out, nk, num_experts,
                                    TOP_K=k, HAS_MASK=token_mask is not None, COUNTS=with_counts,
-                                   E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=32, num_warps=4)
+                                   E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=128 if nk <= 128 else 1024,
+                                   num_warps=4 if nk <= 128 else 8)
     return out, counts
 
 
@@ -420,7 +429,7 @@ def moe_align_triton(
     num_blocks = work[max_rows + max_blocks : max_rows + max_blocks + 1]
     cursor = work[max_rows + max_blocks + 1 :]
     has_mask = token_mask is not None
-    mask = token_mask.view(torch.int8) if has_mask else work
+    mask = _mask_i8(token_mask) if has_mask else work
     chunk = 128 if nk <= 128 else 1024  # two compiled variants, not one per power of two of NK
     _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, nk, num_experts,
                             TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk,
@@ -449,7 +458,7 @@ def moe_align_ref(
         block_expert[row // block_m : row // block_m + nblk] = e
         row += nblk * block_m
     num_blocks = torch.tensor([row // block_m], dtype=torch.int32, device=flat_ids.device)
-    mask = token_mask.view(torch.int8) if token_mask is not None else sorted_ids
+    mask = _mask_i8(token_mask) if token_mask is not None else sorted_ids
     return sorted_ids, block_expert, num_blocks, mask
 
 
@@ -528,7 +537,7 @@ def fused_moe_triton(
         sorted_ids = work[:max_rows]
         block_expert = work[max_rows : max_rows + max_blocks]
         num_blocks = work[max_rows + max_blocks :]
-        mask = token_mask.view(torch.int8) if has_mask else work
+        mask = _mask_i8(token_mask) if has_mask else work
     else:
         sorted_ids, block_expert, num_blocks, mask = moe_align_triton(ids, token_mask, num_experts, top_k, block_m)
 

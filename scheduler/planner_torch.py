@@ -119,7 +119,7 @@ def plan_with_experts_device(survival: Tensor, caps: Tensor, fixed_ms: float | T
     Same candidates in the same order as the host: uniform min(k, cap_i) for k = 0..K, then the linearization
     iterates from L = 0 and from L = caps; the best under the full coverage model wins (ties: the earlier).
     Cost: 2 * iterations passes over [B, layers, E, K] plus 2 * iterations plan_device calls (`from_zero=False`:
-    only the start from L = caps, half of that; serving uses one iteration from caps, see workers/policy.py).
+    only the start from L = caps, half of that; serving runs one iteration from both starts, see workers/policy.py).
     Give touch_probs in float64 for exact agreement with the host; float32 is fine in serving.
     """
     B, K = survival.shape

@@ -22,7 +22,7 @@ TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
-    "expert_counts_masked",
+    "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
     "moe_plain", "moe_mask", "moe_one_token", "moe_block32", "moe_all_masked", "moe_hot_expert",
     "moe_unfused", "moe_mask_unfused", "moe_hot_unfused", "moe_align_fused_reduce_separate", "moe_counters_reset",
@@ -116,6 +116,16 @@ def _checks() -> dict:
         return 0.0
 
     checks["expert_counts_masked"] = counts_case
+
+    def int_mask_case():  # a non-bool or strided mask is converted, not reinterpreted
+        from kernels.moe import distinct_experts_ref
+        from kernels.moe_triton import distinct_experts_triton
+        ids, mask = torch.randint(0, 40, (37, 3)), torch.rand(37, 2) < 0.5
+        want = int(distinct_experts_ref(ids, mask[:, 0], 40))
+        got = [int(distinct_experts_triton(ids, m, 40)) for m in (mask[:, 0], mask[:, 0].long())]
+        return 0.0 if got == [want, want] else f"{got} != {want}"
+
+    checks["distinct_experts_int_or_strided_mask"] = int_mask_case
     checks["distinct_experts"] = lambda: distinct_case(False)
     checks["distinct_experts_masked"] = lambda: distinct_case(True)
 

@@ -440,14 +440,14 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     gate = SpeculationGate()
     first = []
     for _ in range(20):
-        draft = gate.should_draft(3, plain_hint=0.5)
+        draft = gate.should_draft(3, plain_hint=0.25)
         first.append(draft)
-        gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)  # 1.0 tokens/ms > 1.2 x 0.5
+        gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)  # 1/3 token/ms/request > 1.2 x 0.25
     assert all(first), first
     gate = SpeculationGate()  # a hint that speculation does not beat by the margin: plain is measured
     decisions = []
     for _ in range(8):
-        draft = gate.should_draft(3, plain_hint=0.9)
+        draft = gate.should_draft(3, plain_hint=0.3)
         decisions.append(draft)
         gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)
     assert decisions[3:6] == [False] * 3, decisions
@@ -485,3 +485,22 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     assert res.tokens == greedy
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
+
+
+def test_speculation_gate_is_off_under_expert_parallelism():
+    """Under EP a rank's whole step includes waiting for the other ranks at the exchanges, so the gate could not
+    see a plain-decoding win and ranks would decide apart: the EP wiring turns it off (and keeps it off after a
+    new policy is set, as it re-wraps the policy)."""
+    from types import SimpleNamespace
+
+    from workers.config import ModelConfig
+    from workers.expert_parallel import _observe_slowest
+    from workers.policy import LengthPolicy
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    runner = SimpleNamespace(policy=LengthPolicy("hybridspec", cfg), device=torch.device("cpu"))
+    assert runner.policy.gate is not None
+    _observe_slowest(runner)
+    assert runner.policy.gate is None and runner.policy.should_draft([3, 4])

@@ -424,6 +424,10 @@ def _observe_slowest(runner: Any) -> None:
     policy = runner.policy
     if getattr(policy, "_observes_slowest", False):
         return
+    # hybridspec's speculation gate measures whole steps, which under EP include waiting at the exchanges for the
+    # other ranks (and carry capacities sized by the draft caps): it cannot see a plain-decoding win, and ranks
+    # would decide apart. Off under EP until the driver decides for the deployment.
+    policy.gate = None
     observe = policy.observe
 
     def observe_slowest(drafter, obs, expert_counts):

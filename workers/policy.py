@@ -133,7 +133,9 @@ class SpeculationGate:
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN = 16, 0.25, 3, 1.2
 
     def __init__(self) -> None:
-        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> EWMA output tokens per ms
+        # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
+        # sizes, and the losing side's rate is refreshed only by its probes)
+        self.rate: dict[tuple[int, bool], float] = {}
         self.samples: dict[tuple[int, bool], int] = {}
         self.asked: dict[int, int] = {}
         self.decisions = [0, 0]  # steps decided plain, speculative
@@ -143,7 +145,7 @@ class SpeculationGate:
         return 1 << max(0, batch_size - 1).bit_length()
 
     def should_draft(self, batch_size: int, plain_hint: float | None = None) -> bool:
-        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms at this batch size."""
+        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms per request."""
         b = self.bucket(batch_size)
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
         if spec_n < self.MIN_SAMPLES:
@@ -164,7 +166,7 @@ class SpeculationGate:
         if step_ms <= 0:
             return
         key = (self.bucket(batch_size), drafted)
-        r = tokens / step_ms
+        r = tokens / step_ms / max(1, batch_size)
         self.rate[key] = r if key not in self.rate else (1 - self.ALPHA) * self.rate[key] + self.ALPHA * r
         self.samples[key] = self.samples.get(key, 0) + 1
 
@@ -214,7 +216,7 @@ class LengthPolicy:
         if self.gate is None or self.name == "ar" or not self.warm():
             return True
         plain_ms = self.latency.predict(StepComposition([1] * len(contexts), contexts, self.num_moe_layers))
-        return self.gate.should_draft(len(contexts), len(contexts) / plain_ms if plain_ms > 0 else None)
+        return self.gate.should_draft(len(contexts), 1.0 / plain_ms if plain_ms > 0 else None)  # per request
 
     def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float) -> None:
         """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`."""
