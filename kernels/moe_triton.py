@@ -412,6 +412,15 @@ def _moe_reduce_kernel(
 #    no grouping, no 16-row tiles of which one row is real; weights streamed with wide loads and reduced in fp32.
 #    Opt-in (GEMV_MAX_NK / config "gemv") until measured on the GPU: bench/NOTES_moe_attn.md's lead for N <= 4.
 # ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_tile(w_ptr, ids_ptr, a, N_OUT, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output columns n [BN] (< N_OUT), the K offsets [BK] and its expert's weight tile pointers."""
+    expert = tl.load(ids_ptr + a).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    return n, n < N_OUT, k, w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+
+
 @triton.jit(do_not_specialize=["NK"])
 def _moe_gemv_gate_up_kernel(
     x_ptr,  # [N, H]
@@ -435,11 +444,7 @@ def _moe_gemv_gate_up_kernel(
     if HAS_MASK:
         if tl.load(mask_ptr + tok) == 0:  # a masked token: no expert work (its rows are never read)
             return
-    expert = tl.load(ids_ptr + a).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
-    k = tl.arange(0, BLOCK_K)
-    wg_ptrs = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
+    n, nmask, k, wg_ptrs = _gemv_tile(w_ptr, ids_ptr, a, I, stride_we, stride_wn, BLOCK_N, BLOCK_K)
     wu_ptrs = wg_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
@@ -478,11 +483,7 @@ def _moe_gemv_down_kernel(
     if HAS_MASK:
         if tl.load(mask_ptr + a // TOP_K) == 0:
             return
-    expert = tl.load(ids_ptr + a).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < H
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
+    n, nmask, k, w_ptrs = _gemv_tile(w_ptr, ids_ptr, a, H, stride_we, stride_wn, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kmask = (k0 + k) < I
