@@ -83,12 +83,18 @@ class _PositionMap:
         return self._values
 
     def __call__(self, confidence: float) -> float:
-        vals, nb = self.values(), self.num_bins
-        x = min(nb - 1.0, max(0.0, confidence * nb - 0.5))  # continuous bin coordinate, clamped at the centres
-        lo = int(x)
-        hi = min(lo + 1, nb - 1)
-        f = x - lo
-        return vals[lo] + f * (vals[hi] - vals[lo])
+        return _interpolate(self.values(), self.num_bins, confidence)
+
+
+def _interpolate(vals: list[float], nb: int, confidence: float) -> float:
+    """The map's value at `confidence`: linear between bin centres, clamped at the outer centres."""
+    x = confidence * nb - 0.5  # continuous bin coordinate (comparisons, not min/max: this runs per draft)
+    if not x >= 0.0:  # (NaN too)
+        return vals[0]
+    if x >= nb - 1.0:
+        return vals[nb - 1]
+    lo = int(x)
+    return vals[lo] + (x - lo) * (vals[lo + 1] - vals[lo])
 
 
 class AcceptanceCalibrator:
@@ -118,8 +124,11 @@ class AcceptanceCalibrator:
         return self._map(drafter, position)(confidence)
 
     def calibrate_row(self, drafter: str, confidences: Sequence[float]) -> list[float]:
-        """Calibrated acceptance of one request's drafts (positions 0..len-1)."""
-        return [self.calibrate(drafter, j, c) for j, c in enumerate(confidences)]
+        """Calibrated acceptance of one request's drafts (positions 0..len-1). (Runs for every draft of every
+        request before each step's plan: the maps are looked up once, not per draft.)"""
+        self._map(drafter, 0)
+        maps, last, nb = self._maps[drafter], self.max_positions - 1, self.num_bins
+        return [_interpolate(maps[j if j < last else last].values(), nb, c) for j, c in enumerate(confidences)]
 
     def observe(self, drafter: str, position: int, confidence: float, accepted: bool) -> None:
         self.observe_many(drafter, [(position, confidence, accepted)])
@@ -129,7 +138,11 @@ class AcceptanceCalibrator:
         were before the step, then added (one map rebuild per position per step, not per observation)."""
         self._map(drafter, 0)
         raw, cal = self._ece_raw[drafter], self._ece_cal[drafter]
-        scored = [(self._map(drafter, pos), conf, acc, self._map(drafter, pos)(conf)) for pos, conf, acc in observations]
+        maps, last, nb = self._maps[drafter], self.max_positions - 1, self.num_bins
+        scored = []
+        for pos, conf, acc in observations:
+            m = maps[min(max(pos, 0), last)]
+            scored.append((m, conf, acc, _interpolate(m.values(), nb, conf)))
         for m, conf, acc, pred in scored:
             raw.add(min(1.0, max(0.0, conf)), acc)
             cal.add(pred, acc)
