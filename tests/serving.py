@@ -60,3 +60,17 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s")
         await asyncio.sleep(0.02)
+
+
+async def final_status(client, prompt: str, max_new_tokens: int) -> Any:
+    """Streams one request to its end: the final chunk's finish reason, or the gRPC status code it failed with
+    (a request on a worker that died must end with UNAVAILABLE, not hang)."""
+    import grpc
+
+    try:
+        async for chunk in client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True):
+            if chunk.finished:
+                return chunk.finish_reason or ""
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return "no final chunk"

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 import torch.multiprocessing as mp
-from serving import eventually, free_port, one_torch_thread, run, serving  # noqa: F401  (fixture)
+from serving import eventually, final_status, free_port, one_torch_thread, run, serving  # noqa: F401  (fixture)
 
 # ------------------------------------------------------------------------------------------- the exchange
 TOKENS = {  # case -> tokens per rank
@@ -48,17 +48,24 @@ def _fresh_moe(state):
     return moe
 
 
-def _ep_rank(rank: int, world: int, port: int, path: str) -> None:
-    """One spawned rank: every case through the exchange; its outputs saved next to the inputs."""
+def _rank_cases(rank: int, world: int, port: int, path: str):
+    """A spawned rank's setup (its group, the cases file): yields (name, case, a fresh unsharded MoE layer)."""
     torch.set_num_threads(1)
-    from workers.expert_parallel import ExpertShard, init_group, shard_moe_
-    from workers.model import MoEContext
+    from workers.expert_parallel import init_group
 
     init_group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
     data = torch.load(path)
-    out = {}
     for name, case in data["cases"].items():
-        moe = _fresh_moe(data["state"])
+        yield name, case, _fresh_moe(data["state"])
+
+
+def _ep_rank(rank: int, world: int, port: int, path: str) -> None:
+    """One spawned rank: every case through the exchange; its outputs saved next to the inputs."""
+    from workers.expert_parallel import ExpertShard, shard_moe_
+    from workers.model import MoEContext
+
+    out = {}
+    for name, case, moe in _rank_cases(rank, world, port, path):
         owner = PLACEMENT if name == "placement" else None
         shard = ExpertShard(owner, rank, world) if owner else ExpertShard.even(16, world, rank)
         shard_moe_(moe, shard, first=True)
@@ -199,15 +206,11 @@ class HostSyncs:
 
 
 def _static_rank(rank: int, world: int, port: int, path: str) -> None:
-    torch.set_num_threads(1)
-    from workers.expert_parallel import ExpertShard, init_group, shard_moe_
+    from workers.expert_parallel import ExpertShard, shard_moe_
     from workers.model import MoEContext
 
-    init_group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
-    data = torch.load(path)
     out = {}
-    for name, case in data["cases"].items():
-        moe = _fresh_moe(data["state"])
+    for name, case, moe in _rank_cases(rank, world, port, path):
         shard_moe_(moe, ExpertShard.even(16, world, rank), first=True)
         moe.ep.step_rows = list(case["rows"])
         moe.ep.static = name != "dynamic"
@@ -346,13 +349,7 @@ def test_killed_rank_fails_in_flight_with_unavailable_and_the_rebuilt_group_serv
     expected = local.generate("after", _params()[0])[0].token_ids
 
     async def stream(client, prompt: str):
-        try:
-            async for chunk in client.generate(prompt, max_new_tokens=400, ignore_eos=True):
-                if chunk.finished:
-                    return chunk.finish_reason or ""
-        except grpc.aio.AioRpcError as e:
-            return e.code()
-        return "no final chunk"
+        return await final_status(client, prompt, 400)
 
     async def main() -> None:
         from clients.client import GenerationClient

@@ -13,7 +13,7 @@ import pytest
 
 from clients.client import GenerationClient
 from engine import LLM, SamplingParams
-from serving import eventually, one_torch_thread, run, serving  # noqa: F401  (fixture)
+from serving import eventually, final_status, one_torch_thread, run, serving  # noqa: F401  (fixture)
 
 ray = pytest.importorskip("ray")
 
@@ -57,14 +57,8 @@ def test_killed_actor_fails_in_flight_with_unavailable_and_the_next_request_succ
     executor = on_ray.engine.executor
     expected = local.generate("after", SamplingParams(max_new_tokens=10, ignore_eos=True))[0].token_ids
 
-    async def stream(client: GenerationClient, prompt: str) -> grpc.StatusCode | str:
-        try:
-            async for chunk in client.generate(prompt, max_new_tokens=900, ignore_eos=True):
-                if chunk.finished:
-                    return chunk.finish_reason or ""
-        except grpc.aio.AioRpcError as e:
-            return e.code()
-        return "no final chunk"
+    async def stream(client, prompt: str):
+        return await final_status(client, prompt, 900)
 
     async def main() -> None:
         async with serving(on_ray.engine) as (server, target), GenerationClient(target) as client:
