@@ -19,6 +19,7 @@ from torch import Tensor
 
 CONV_BT = 16
 CONV_BC = 256
+CONV_BC_DECODE = 64  # not measured yet (after the 2026-11-30 runs)
 
 
 @triton.jit
@@ -114,13 +115,17 @@ def causal_conv1d_triton(
     bsz = slots.shape[0]
     if bsz == 0 or max_len == 0:
         return out
-    bt = max(CONV_BT, triton.next_power_of_2(kernel - 1))
-    grid = (bsz, triton.cdiv(max_len, bt), triton.cdiv(num_c, CONV_BC))
+    if max_len == 1:  # decode: one row per request; narrower channel tiles give the GPU 4x the programs (the
+        # 16 x 256 tile took 5.1 us per layer at B=1 on the H200 for ~50 KB of data: bench/NOTES.md)
+        bt, bc = triton.next_power_of_2(kernel - 1), CONV_BC_DECODE
+    else:
+        bt, bc = max(CONV_BT, triton.next_power_of_2(kernel - 1)), CONV_BC
+    grid = (bsz, triton.cdiv(max_len, bt), triton.cdiv(num_c, bc))
     _causal_conv1d_kernel[grid](
         x, weight, out, cu_seqlens, conv_state, slots, wmask,
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), num_c,
-        K=kernel, BT=bt, BC=CONV_BC, BKW=max(2, triton.next_power_of_2(kernel - 1)), WRITE=write, num_warps=4,
+        K=kernel, BT=bt, BC=bc, BKW=max(2, triton.next_power_of_2(kernel - 1)), WRITE=write, num_warps=4,
     )
     return out
 

@@ -161,6 +161,12 @@ def case_conv():
             conv_commit_ref(x, cu, torch.tensor(keep), s_ref, slots, max(lens))
             conv_commit_triton(x, cu, torch.tensor(keep), s_tri, slots, max(lens))
             errs[f"{lens}/commit{keep}"] = _rel(s_tri, s_ref)
+    for wname, ws in _write_modes().items():  # decode (every T_i = 1): its own tiles, channels over several
+        x, w, cu, cs, slots = _conv_inputs([1, 1, 1], seed=9, channels=150)
+        s_ref, s_tri = cs.clone(), cs.clone()
+        o_ref = causal_conv1d_ref(x, w, cu, s_ref, slots, 1, ws)
+        o_tri = causal_conv1d_triton(x, w, cu, s_tri, slots, 1, ws)
+        errs[f"decode/{wname}/o"], errs[f"decode/{wname}/state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
     return errs
 
 
