@@ -98,6 +98,49 @@ class RunResult:
         }
 
 
+def step_requests(plan, memory: MemoryManager) -> list[StepRequest]:
+    """The worker's view of a scheduled step: one StepRequest per chunk (tokens, pages, slot, draft cap)."""
+    work = []
+    for c in plan.chunks:
+        t = memory.table(c.request.request_id)
+        work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens], c.start,
+                                list(t.pages), t.slot, c.completes, c.request.params, c.draft_cap,
+                                c.request.all_ids if c.draft_cap else []))
+    return work
+
+
+@dataclasses.dataclass
+class Tally:
+    """Drafted and accepted tokens and verified requests over a run."""
+
+    draft: int = 0
+    accepted: int = 0
+    verified: int = 0
+
+
+def apply_step(sched: Scheduler, plan, result, tally: Tally) -> list[tuple[Request, int, bool]]:
+    """Commits a step's result: the scheduler learns the accepted lengths, each request takes its new tokens up to
+    max_new_tokens and is finished when it has them all. -> (request, tokens taken, finished now) per request
+    with new tokens (the caller releases the finished ones' worker state)."""
+    sched.commit(plan, result.accepted_tokens)
+    tally.draft += sum(result.draft_tokens.values())
+    tally.accepted += sum(result.accepted_tokens.values())
+    tally.verified += len(result.draft_tokens)
+    out = []
+    for c in plan.chunks:
+        new = result.new_tokens.get(c.request.request_id)
+        if not new:
+            continue
+        r = c.request
+        taken = new[:r.params.max_new_tokens - len(r.output_ids)]
+        r.output_ids.extend(taken)
+        done = len(r.output_ids) >= r.params.max_new_tokens
+        if done:
+            sched.finish(r, "length")
+        out.append((r, len(taken), done))
+    return out
+
+
 def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft: int, page_size: int,
           num_pages: int, policy: str, keep_policy: bool = False) -> RunResult:
     """Runs every prompt to completion through the engine's scheduler and the runner; all arrive at once.
@@ -111,7 +154,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=max_new, ignore_eos=True)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
-    step_ms, draft, acc, vsteps, steps, prefill_steps = [], 0, 0, 0, 0, []
+    step_ms, tally, steps, prefill_steps = [], Tally(), 0, []
     decode_tokens, captures = 0, 0
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
@@ -120,12 +163,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     start = time.perf_counter()
     while sched.has_work():
         plan = sched.schedule()
-        work = []
-        for c in plan.chunks:
-            t = memory.table(c.request.request_id)
-            work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens], c.start,
-                                    list(t.pages), t.slot, c.completes, c.request.params, c.draft_cap,
-                                    c.request.all_ids if c.draft_cap else []))
+        work = step_requests(plan, memory)
         t0 = time.perf_counter()
         result = runner.execute(work)
         sync()
@@ -137,23 +175,12 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
             prefill_steps.append(len(step_ms) - 1)
             captures += 1
         steps += 1
-        sched.commit(plan, result.accepted_tokens)
-        draft += sum(result.draft_tokens.values())
-        acc += sum(result.accepted_tokens.values())
-        vsteps += len(result.draft_tokens)
-        for c in plan.chunks:
-            new = result.new_tokens.get(c.request.request_id)
-            if not new:
-                continue
-            r = c.request
-            room = r.params.max_new_tokens - len(r.output_ids)
-            r.output_ids.extend(new[:room])
+        for r, taken, done in apply_step(sched, plan, result, tally):
             if prefill_steps[-1:] != [len(step_ms) - 1]:
-                decode_tokens += len(new[:room])
+                decode_tokens += taken
             first_token_s.setdefault(r.request_id, now)
-            if len(r.output_ids) >= r.params.max_new_tokens:
+            if done:
                 done_s[r.request_id] = now
-                sched.finish(r, "length")
                 runner.release([r.request_id])
     wall = time.perf_counter() - start
     tpot = [(done_s[r.request_id] - first_token_s[r.request_id]) * 1e3 / max(1, len(r.output_ids) - 1) for r in reqs]
@@ -161,7 +188,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     pre = set(prefill_steps)
     decode_s = sum(ms for i, ms in enumerate(step_ms) if i not in pre) / 1e3
     return RunResult(policy, len(prompts), None, sum(len(r.output_ids) for r in reqs), wall, steps,
-                     [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, draft, acc, vsteps,
+                     [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, tally.draft, tally.accepted,
+                     tally.verified,
                      [r.output_ids for r in reqs], decode_tokens, decode_s, captures)
 
 

@@ -219,7 +219,8 @@ class Rank:
         from scheduler.memory import MemoryManager
         from scheduler.request import Request
         from scheduler.scheduler import Scheduler
-        from scheduler.types import SamplingParams, StepRequest, StepResult
+        from bench.e2e import Tally, apply_step, step_requests
+        from scheduler.types import SamplingParams, StepResult
         from workers.expert_parallel import comm_ms, execute_rank, step_rows_bound
 
         runner = self.runner
@@ -233,7 +234,7 @@ class Rank:
         owner = {r.request_id: i % self.world for i, r in enumerate(reqs)}
         for r in reqs:
             sched.add(r)
-        step_ms, comm, draft, acc, vsteps, out_tokens = [], [], 0, 0, 0, 0
+        step_ms, comm, tally, out_tokens = [], [], Tally(), 0
         if self.ep:
             comm_ms(self.model)  # drop what earlier runs left
         self.sync()
@@ -241,12 +242,7 @@ class Rank:
         start = time.perf_counter()
         while sched.has_work():
             plan = sched.schedule()
-            work = []
-            for c in plan.chunks:
-                t = memory.table(c.request.request_id)
-                work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens],
-                                        c.start, list(t.pages), t.slot, c.completes, c.request.params, c.draft_cap,
-                                        c.request.all_ids if c.draft_cap else []))
+            work = step_requests(plan, memory)
             t0 = time.perf_counter()
             if self.ep:
                 per_rank = [[w for w in work if owner[w.request_id] == r] for r in range(self.world)]
@@ -265,22 +261,10 @@ class Rank:
                 result = runner.execute(work)
                 self.sync()
             step_ms.append((time.perf_counter() - t0) * 1e3)
-            sched.commit(plan, result.accepted_tokens)
-            draft += sum(result.draft_tokens.values())
-            acc += sum(result.accepted_tokens.values())
-            vsteps += len(result.draft_tokens)
-            for c in plan.chunks:
-                new = result.new_tokens.get(c.request.request_id)
-                if not new:
-                    continue
-                r = c.request
-                room = r.params.max_new_tokens - len(r.output_ids)
-                r.output_ids.extend(new[:room])
-                out_tokens += len(new[:room])
-                if len(r.output_ids) >= r.params.max_new_tokens:
-                    sched.finish(r, "length")
-                    if owner[r.request_id] == self.rank or not self.ep:
-                        runner.release([r.request_id])
+            for r, taken, done in apply_step(sched, plan, result, tally):
+                out_tokens += taken
+                if done and (owner[r.request_id] == self.rank or not self.ep):
+                    runner.release([r.request_id])
         wall = time.perf_counter() - start
         jit_new = {k: v - jit_kernels0.get(k, 0) for k, v in self.jit.kernels.items() if v > jit_kernels0.get(k, 0)}
         return {
@@ -288,7 +272,8 @@ class Rank:
             "wall_s": wall, "output_tokens_per_s": out_tokens / wall, "steps": len(step_ms),
             "step_ms_median": statistics.median(step_ms), "comm_ms_total": sum(comm),
             "comm_share": sum(comm) / sum(step_ms) if comm else 0.0,
-            "mean_accepted_len": acc / vsteps if vsteps else 0.0, "draft_tokens": draft, "accepted_tokens": acc,
+            "mean_accepted_len": tally.accepted / tally.verified if tally.verified else 0.0,
+            "draft_tokens": tally.draft, "accepted_tokens": tally.accepted,
             "graphs": self.graphs, "jit_compiles": self.jit.count - jit0, "jit_kernels": jit_new,
         }, [r.output_ids for r in reqs]
 

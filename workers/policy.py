@@ -213,7 +213,7 @@ class LengthPolicy:
 
     def should_draft(self, contexts: list[int]) -> bool:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always)."""
-        if self.gate is None or self.name == "ar" or not self.warm():
+        if self.gate is None or not self.warm():
             return True
         plain_ms = self.latency.predict(StepComposition([1] * len(contexts), contexts, self.num_moe_layers))
         return self.gate.should_draft(len(contexts), 1.0 / plain_ms if plain_ms > 0 else None)  # per request
