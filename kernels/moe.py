@@ -71,11 +71,8 @@ def router_correction_ref(topk_ids: Tensor, extra_rows: Tensor, num_experts: int
 
 
 def distinct_experts_ref(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> Tensor:
-    """Number of distinct experts the (unmasked) tokens touch, as a device scalar (no host sync)."""
-    ids = topk_ids if token_mask is None else torch.where(token_mask[:, None], topk_ids, num_experts)
-    hit = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
-    hit.index_fill_(0, ids.reshape(-1), 1)
-    return hit[:num_experts].sum()
+    """Number of distinct experts the (unmasked) tokens touch, as a device int64 scalar (no host sync)."""
+    return expert_counts_ref(topk_ids, token_mask, num_experts)[0]
 
 
 def expert_counts_ref(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int) -> tuple[Tensor, Tensor]:
