@@ -482,6 +482,13 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     assert res.tokens == greedy
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
+    # a step in which anything captured a CUDA graph (here: every step, as counted by captures_total) is no sample
+    # of its kind: the gate learns nothing from it
+    before = dict(gate.samples)
+    calls = iter(range(10**6))
+    runner.captures_total = lambda: next(calls)
+    res = serve(runner, prompts, 16, 8, page_size, num_pages, "hybridspec", keep_policy=True)
+    assert res.tokens == [t[:16] for t in greedy] and gate.samples == before
 
 
 def test_speculation_gate_is_off_under_expert_parallelism():
