@@ -35,7 +35,7 @@ from scheduler.types import SamplingParams, StepRequest  # noqa: E402
 from workers.bench_model import build_bench_model, qwen36_35b_a3b_config  # noqa: E402
 from workers.cache import ModelCache  # noqa: E402
 from workers.config import ModelConfig  # noqa: E402
-from workers.drafters import DraftModelDrafter, ReplayDrafter  # noqa: E402
+from workers.drafters import REPLAY_CONFIDENCE, DraftModelDrafter, ReplayDrafter  # noqa: E402
 from workers.model import HybridModel  # noqa: E402
 from workers.random_init import init_random_  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
@@ -249,6 +249,12 @@ def main() -> None:
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--graphs", type=int, default=1, help="CUDA graphs for decode/verify steps (1) or eager (0)")
     ap.add_argument("--time-limit-s", type=float, default=1e9, help="stop starting new cells after this long")
+    ap.add_argument("--replay-confidence", default="noise", choices=REPLAY_CONFIDENCE,
+                    help="noise: every draft equally likely right, confidence uninformative; beta: per-token "
+                         "acceptance ~ Beta(mean acceptance), the confidence reports it (workers/drafters.py)")
+    ap.add_argument("--replay-concentration", type=float, default=2.0, help="Beta concentration (beta confidence)")
+    ap.add_argument("--profile", type=int, default=1,
+                    help="run the start-up profile before budget/hybridspec (1, as the engine does on CUDA) or not (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -283,6 +289,8 @@ def main() -> None:
     rows, meta = [], {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                       "dtype": str(dtype), "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len,
                       "max_new": max_new_of, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
+                      "startup_profile": bool(args.profile), "replay_confidence": args.replay_confidence,
+                      "replay_concentration": args.replay_concentration,
                       "drafter": "replay (DFlash-shaped cost: "
                       f"{args.drafter_layers} layers at hidden {cfg.hidden_size}, one forward of the drafted block)"}
     for conc in concurrencies:
@@ -304,14 +312,18 @@ def main() -> None:
         for acceptance in [float(a) for a in args.acceptance.split(",")]:
             if time.perf_counter() - t_start > args.time_limit_s:
                 break
-            replay = ReplayDrafter(acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost)
+            replay = ReplayDrafter(acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost,
+                                   confidence=args.replay_confidence, concentration=args.replay_concentration)
             for p, cont in zip(prompts, ar.tokens):
                 replay.set_reference(p, cont + [0] * (max_k + 2))  # room to draft past the end (never accepted)
             for policy in policies:
                 k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
                 runner.drafter = replay
-                # warm-up: captures this policy's graph buckets, fits its latency model and calibration
-                serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy)
+                runner.set_policy(policy if not policy.startswith("fixed") else "fixed", k)
+                if args.profile and policy in ("budget", "hybridspec"):
+                    runner.profile(conc)  # the engine's start-up profile (EngineConfig.startup_profile, on CUDA)
+                # warm-up: captures this policy's graph buckets, refines its latency model and calibration
+                serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy, keep_policy=True)
                 res = serve(runner, prompts, max_new, k, page_size, num_pages, policy, keep_policy=True)
                 res.policy, res.acceptance = policy, acceptance
                 row = res.row()

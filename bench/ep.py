@@ -155,7 +155,6 @@ class Rank:
         self.num_pages = max_c * pages_per_req
         cache = ModelCache(self.cfg, self.num_pages + 1, self.page_size, max_c + 1, self.dtype, self.device)
         self.runner = ModelRunner(self.model, cache)
-        self.runner.set_planner_graphs(True)  # as the engine's EP actors do (eager, it is ~8 ms of launches a step)
         self.graphs = False
         if not self.ep and args.single_graphs and self.device.startswith("cuda"):  # the single GPU at its best
             why = self.runner.enable_graphs(max_c, pages_per_req, warm=False)

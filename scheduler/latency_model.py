@@ -168,6 +168,9 @@ class LatencyModel:
         self.coefs = coefs
         self.estimator = estimator
         self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
+        # the start-up profile's samples stay in every fit: its shapes (several batch sizes x block lengths) pin
+        # the slopes, which the online samples alone cannot once a policy keeps choosing similar steps
+        self.anchors: list[tuple[list[float], float]] = []
         self.errors: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted, measured), prequential
         self.refit_every, self.min_samples, self.relative = refit_every, min_samples, relative
         self._since_fit = 0
@@ -190,10 +193,10 @@ class LatencyModel:
         if samples is not None:
             for comp, ms in samples:
                 self.samples.append((self.features(comp), float(ms)))
-        if not self.samples:
+        if not self.samples and not self.anchors:
             raise ValueError("no samples to fit the latency model from")
         n = len(FEATURES)
-        rows = list(self.samples)
+        rows = self.anchors + list(self.samples)
         wts = [1.0 / (ms * ms) if self.relative and ms > 0 else 1.0 for _, ms in rows]
         # scale columns to unit weighted RMS so the tiny ridge and the solver see a well-conditioned problem
         scale = []
@@ -219,11 +222,32 @@ class LatencyModel:
         self._since_fit = 0
         return self.coefs
 
+    def anchor(self, comp: StepComposition, measured_ms: float) -> None:
+        """A start-up profile sample: part of every later fit (the online window never drops it)."""
+        self.anchors.append((self.features(comp), float(measured_ms)))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.anchors) + len(self.samples)
+
     def predict(self, comp: StepComposition) -> float:
         """Predicted step time in ms."""
         if self.coefs is None:
             raise RuntimeError("latency model is not fitted: run a start-up profile (fit) or pass coefs")
         return sum(c * x for c, x in zip(self.coefs.as_list(), self.features(comp)))
+
+    def token_cost(self, base: StepComposition, distinct_total: Sequence[float]) -> "ModelTokenCost":
+        """The model as a cost of the step's token count, for a batch whose tokens all route by global
+        popularity (no request footprints): then the distinct experts of a step depend on its token count only,
+        distinct_total[n] = ExpertEstimator.expected_distinct_total(n), and the best plan for any token count
+        is the highest survival scores (planner.budget_plan's search, exact here). base: the step with every
+        L_i = 0 (its requests and context lengths are fixed; its token count is the argument of cost_ms)."""
+        if self.coefs is None:
+            raise RuntimeError("latency model is not fitted: run a start-up profile (fit) or pass coefs")
+        c = self.coefs
+        fixed = c.const_ms + c.ms_per_request * base.num_requests + c.ms_per_context_token * base.context_tokens
+        return ModelTokenCost(fixed, c.ms_per_token, c.ms_per_expert if base.num_moe_layers else 0.0,
+                              list(distinct_total))
 
     def plan_cost(self, base: StepComposition, draft_ms: float = 0.0) -> PlanCost:
         """The model linearized for the planner: base = the step with every L_i = 0 (its experts estimated),
@@ -239,7 +263,7 @@ class LatencyModel:
             self.errors.append((sum(c * v for c, v in zip(self.coefs.as_list(), x)), float(measured_ms)))
         self.samples.append((x, float(measured_ms)))
         self._since_fit += 1
-        if len(self.samples) >= self.min_samples and (self.coefs is None or self._since_fit >= self.refit_every):
+        if self.num_samples >= self.min_samples and (self.coefs is None or self._since_fit >= self.refit_every):
             self.fit()
 
     def error_stats(self) -> ErrorStats:
@@ -249,6 +273,23 @@ class LatencyModel:
     def evaluate(self, samples: Iterable[tuple[StepComposition, float]]) -> ErrorStats:
         """Error on a held-out set."""
         return ErrorStats.of((self.predict(c), ms) for c, ms in samples)
+
+
+@dataclass(frozen=True)
+class ModelTokenCost:
+    """LatencyModel.token_cost: cost_ms(n) = fixed_ms + ms_per_token n + ms_per_expert distinct_total[n] (the
+    same interface as TokenCostTable, so planner.budget_plan searches it)."""
+
+    fixed_ms: float  # const + per-request + context terms of the step's batch
+    ms_per_token: float
+    ms_per_expert: float
+    distinct_total: list[float]  # expected distinct experts (summed over MoE layers) of n tokens, n = 0, 1, ...
+
+    def cost_ms(self, num_tokens: float) -> float:
+        n = int(num_tokens)
+        if not 0 <= n < len(self.distinct_total):
+            raise ValueError(f"num_tokens must be in [0, {len(self.distinct_total) - 1}], got {num_tokens}")
+        return self.fixed_ms + self.ms_per_token * n + self.ms_per_expert * self.distinct_total[n]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from scheduler.latency_model import ExpertEstimator, Footprint, LatencyCoefs, PlanCost, StepComposition, TokenCostTable
+from scheduler.latency_model import (ExpertEstimator, Footprint, LatencyCoefs, ModelTokenCost, PlanCost,
+                                     StepComposition, TokenCostTable)
 
 __all__ = ["Plan", "PlanCost", "budget_plan", "expected_goodput", "fixed_lengths", "item_costs_ms", "plan_host",
            "plan_with_experts", "survival_from_acceptance"]
@@ -162,12 +163,14 @@ def fixed_lengths(caps: Sequence[int], k: int) -> list[int]:
     return [max(0, min(k, int(c))) for c in caps]
 
 
-def budget_plan(survival: Sequence[Sequence[float]], caps: Sequence[int], table: TokenCostTable,
+def budget_plan(survival: Sequence[Sequence[float]], caps: Sequence[int], table: TokenCostTable | ModelTokenCost,
                 base_tokens: int, base_gain: float | None = None, draft_ms: float = 0.0) -> Plan:
     """The `budget` baseline (vLLM adaptive verification): choose one batch-wide draft-token budget b
     maximizing (base_gain + sum of the b highest survival scores) / (draft_ms + cost(base_tokens + b)) with a
     token-count-only cost table, and give the b tokens to the highest survival scores (a prefix per request,
-    since survival is non-increasing in j). step_ms in the result is the table's estimate."""
+    since survival is non-increasing in j). step_ms in the result is the table's estimate.
+    For any cost that depends on the step's token count only (a ModelTokenCost: the latency model when every
+    request routes by global popularity) the b highest scores are the best b drafts, so this search is exact."""
     caps = _clip_caps(survival, caps)
     items = sorted(((float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap)),
                    key=lambda t: (-t[0], t[1], t[2]))

@@ -97,6 +97,14 @@ def _increments(probs: Tensor, logs: Tensor, extra_log: Tensor, base_tokens: Ten
     return inc, experts
 
 
+def distinct_by_tokens_device(touch_probs: Tensor, max_tokens: int, chunk: int = 256) -> Tensor:
+    """[max_tokens + 1]: expected distinct experts (summed over layers) touched by n tokens routed by global
+    popularity, n = 0..max_tokens = ExpertEstimator.expected_distinct_total(n). touch_probs [layers, E]."""
+    logs = torch.log1p(-touch_probs.reshape(-1).clamp(max=_MAX_Q))  # [layers * E]
+    n = torch.arange(max_tokens + 1, device=touch_probs.device, dtype=logs.dtype)
+    return torch.cat([(1.0 - (part.unsqueeze(1) * logs).exp()).sum(1) for part in n.split(chunk)])
+
+
 def batch_increments_device(probs: Tensor, touch_probs: Tensor, base_tokens: Tensor, lengths: Tensor,
                             max_drafts: int, extra_base_tokens: int | Tensor = 0) -> tuple[Tensor, Tensor]:
     """(increments [B, max_drafts], experts_total 0-d) = ExpertEstimator.batch_increments on device.

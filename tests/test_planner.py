@@ -14,7 +14,8 @@ from scheduler.latency_model import (ExpertEstimator, LatencyCoefs, LatencyModel
                                      TokenCostTable, footprint_from_routing)
 from scheduler.planner import (budget_plan, expected_goodput, fixed_lengths, plan_host, plan_with_experts,
                                survival_from_acceptance)
-from scheduler.planner_torch import (budget_plan_device, calibrate_device, footprint_touch_probs, plan_device,
+from scheduler.planner_torch import (budget_plan_device, calibrate_device, distinct_by_tokens_device,
+                                     footprint_touch_probs, plan_device,
                                      plan_with_experts_device, survival_device)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -355,63 +356,54 @@ def test_device_plan_with_experts_and_calibration_equal_host():
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
-def test_padded_device_planner_equals_the_unpadded_plan():
-    """The worker's DevicePlanner pads B to a bucket and K to max_verify_len + 1 (so one captured CUDA graph
-    serves many steps); padding requests (no drafts, no tokens, no gain) must not change any real length."""
-    from workers.policy import DevicePlanner
-
+def test_model_token_cost_plan_is_exact_for_globally_routed_batches():
+    """hybridspec's serving plan (workers/policy.py): with every request routed by global popularity the latency
+    model's cost depends on the step's token count only (LatencyModel.token_cost), and budget_plan's search over
+    it is the exact optimum (brute force over every length vector), >= the linearized footprint planner, every
+    fixed K and budget with a measured table."""
     est = world_estimator()
-    rng = random.Random(11)
-    table = torch.tensor(est.touch_prob_table(), dtype=torch.float64)
-    planner = DevicePlanner(torch.device("cpu"), max_drafts=9)
-    checked = 0
-    for n, (survival, _) in enumerate(list(world_batches(rng))[:12]):
-        survival = survival[:max(1, len(survival) - n % 3)]  # odd sizes too: 3, 5, 7 are padded
-        b = len(survival)
-        caps = [rng.randint(0, len(row)) for row in survival]
-        tokens = [rng.randint(1, 3) for _ in range(b)]
-        fixed = WORLD.const_ms + WORLD.ms_per_token * sum(tokens)
-        want = plan_with_experts_device(torch.tensor(survival, dtype=torch.float64), torch.tensor(caps), fixed,
-                                        WORLD.ms_per_token, WORLD.ms_per_expert, table, torch.tensor(tokens),
-                                        iterations=planner.ITERATIONS, from_zero=planner.FROM_ZERO)
-        got = planner.plan(survival, caps, tokens, fixed, WORLD.ms_per_token, WORLD.ms_per_expert, table)
-        assert got == want.tolist()
-        checked += b not in (1, 2, 4, 8, 16)  # a batch that really was padded
-    assert checked > 0
+    distinct = distinct_by_tokens_device(torch.tensor(est.touch_prob_table(), dtype=torch.float64), 40).tolist()
+    assert all(abs(distinct[n] - est.expected_distinct_total(n)) < 1e-9 for n in range(41))
+    model = LatencyModel(LatencyCoefs(const_ms=0.3, ms_per_token=0.01, ms_per_expert=0.05, ms_per_request=0.02,
+                                      ms_per_context_token=1e-4), estimator=est)
+    rng = random.Random(21)
+    table = world_table(est)
+    for _ in range(25):
+        b, k = rng.randint(1, 3), rng.randint(1, 4)
+        survival = random_survival(rng, b, k)
+        caps = [rng.randint(0, k) for _ in range(b)]
+        base = StepComposition([1] * b, [rng.randint(1, 300) for _ in range(b)], num_moe_layers=LAYERS_W)
+        cost = model.token_cost(base, distinct)
+
+        def goodput(lengths):
+            return (b + sum(sum(r[:L]) for r, L in zip(survival, lengths))) / cost.cost_ms(b + sum(lengths))
+
+        got = budget_plan(survival, caps, cost, b).lengths
+        best = max(goodput(list(ls)) for ls in itertools.product(*[range(c + 1) for c in caps]))
+        assert goodput(got) >= best * (1 - 1e-12), (goodput(got), best)
+        linear = plan_with_experts(survival, caps, model.coefs, base, est).lengths
+        assert goodput(got) >= goodput(linear) * (1 - 1e-12)
+        assert goodput(got) >= max(goodput(fixed_lengths(caps, j)) for j in range(k + 1)) * (1 - 1e-12)
+        assert goodput(got) >= goodput(budget_plan(survival, caps, table, b).lengths) * (1 - 1e-12)
+    with pytest.raises(ValueError, match="num_tokens must be in"):
+        cost.cost_ms(len(distinct))
 
 
-def test_serving_planner_search_is_nearly_as_good_as_the_full_one():
-    """Serving runs one linearization step from each start (DevicePlanner.ITERATIONS / FROM_ZERO: half the
-    kernels); in the synthetic world its plans keep >= 98% of the full search's goodput (99.4% worst when
-    written), beat every fixed K and stay within 1% of budget (one batch of 15 is 0.03% below it)."""
-    from workers.policy import DevicePlanner
-
-    est = world_estimator()
-    table = torch.tensor(est.touch_prob_table(), dtype=torch.float64)
-    cost_table = world_table(est)
-    rng = random.Random(13)
-    for survival, fps in world_batches(rng):
-        b = len(survival)
-        counts = torch.zeros(b, LAYERS_W, E_W, dtype=torch.float64)
-        for i, fp in enumerate(fps):
-            for layer, d in enumerate(fp):
-                for e, c in d.items():
-                    counts[i, layer, e] = c
-
-        def plan(**kw):
-            return plan_with_experts_device(torch.tensor(survival, dtype=torch.float64), torch.full((b,), K_W),
-                                            WORLD.const_ms + WORLD.ms_per_token * b, WORLD.ms_per_token,
-                                            WORLD.ms_per_expert, table, torch.ones(b, dtype=torch.long),
-                                            footprint_touch_probs(counts, TOPK_W), est.locality, **kw).tolist()
-
-        full = world_goodput(est, survival, fps, plan())
-        fast = world_goodput(est, survival, fps, plan(iterations=DevicePlanner.ITERATIONS,
-                                                      from_zero=DevicePlanner.FROM_ZERO))
-        caps = [K_W] * b
-        best_fixed = max(world_goodput(est, survival, fps, fixed_lengths(caps, k)) for k in range(K_W + 1))
-        budget = world_goodput(est, survival, fps, budget_plan(survival, caps, cost_table, b).lengths)
-        assert fast >= 0.98 * full and fast >= best_fixed * (1 - 1e-9) and fast >= 0.99 * budget, \
-            (b, fast / full, fast / best_fixed, fast / budget)
+def test_profile_samples_stay_in_every_fit():
+    """The start-up profile's samples (several shapes) are anchors: after the online window has filled with
+    steps of one shape only, the fit still has the token slope the profile measured."""
+    est = ExpertEstimator(1, 8, 2)
+    model = LatencyModel(estimator=est, window=32, refit_every=4)
+    true = LatencyCoefs(const_ms=2.0, ms_per_token=0.15)
+    for b, t in itertools.product((1, 4, 16), (1, 4, 17)):
+        comp = StepComposition([t] * b, [8] * b, 0, estimated_experts_total=0.0)
+        model.anchor(comp, true_ms(comp, true))
+    model.fit()
+    for _ in range(200):  # one shape only, slightly slower than the model says
+        comp = StepComposition([9], [300], 0, estimated_experts_total=0.0)
+        model.observe(comp, 1.02 * true_ms(comp, true))
+    assert len(model.samples) == 32 and len(model.anchors) == 9
+    assert abs(model.coefs.ms_per_token - 0.15) < 0.02, model.coefs
 
 
 def test_speculation_gate_follows_measured_goodput_and_probes():
@@ -448,6 +440,17 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
         decisions.append(draft)
         gate.observe(3, draft, 12 if draft else 3, 12.0 if draft else 10.0)
     assert decisions[3:6] == [False] * 3, decisions
+    # a bucket met for the first time starts from its nearest measured neighbour's verdict (no exploration) and
+    # keeps the neighbour's ratio at its own scale after its first sample
+    gate = SpeculationGate()
+    for _ in range(40):
+        draft = gate.should_draft(16)
+        gate.observe(16, draft, 24 if draft else 16, 20.0 if draft else 10.0)  # plain wins at 16
+    first = [gate.should_draft(8) for _ in range(4)]
+    assert first == [False] * 4 and 8 in gate.inherited
+    gate.observe(8, False, 8, 5.0)  # its own plain rate: 0.2 per request (the neighbour's: 0.1)
+    assert 8 not in gate.inherited
+    assert gate.rate[(8, False)] == pytest.approx(0.2) and gate.rate[(8, True)] == pytest.approx(0.15)
 
 
 def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():

@@ -313,14 +313,14 @@ def test_startup_profile_fits_the_latency_model_before_serving_and_stays_lossles
               max_running=9)
     policy = llm.engine.executor.runner.policy
     assert policy.profiled and policy.latency.fitted and policy.steps == 0 and policy.warm()
-    profiled_samples = len(policy.latency.samples)
-    assert profiled_samples >= policy.latency.min_samples
+    profiled_samples = len(policy.latency.anchors)  # kept in every later fit
+    assert profiled_samples >= policy.latency.min_samples and not policy.latency.samples
     for prompt, ref in zip(PROMPTS, reference):
         llm.set_replay_reference(prompt, ref)
     tokens, stats = run(llm)
     assert tokens == reference
     assert sum(s.draft_tokens for s in stats) > 0
-    assert len(policy.latency.samples) > profiled_samples  # refined online from the real steps
+    assert len(policy.latency.samples) > 0 and len(policy.latency.anchors) == profiled_samples  # refined online
     # its prediction error and the calibration's reach the engine, and from there the Prometheus metrics
     from engine.metrics import EngineMetrics
 
@@ -351,3 +351,29 @@ def test_a_bucket_that_fails_to_capture_runs_eagerly_and_stays_eager(reference):
     assert sum(s.accepted_tokens for s in stats) > 0
     assert graphs.failed and all(k.max_block > 1 for k in graphs.failed)
     assert all(k.max_block == 1 for k in graphs.graphs)  # plain decode buckets still in graphs
+
+
+def test_replay_drafter_confidence_models():
+    """`noise`: every draft right with the acceptance, confidences uninformative; `beta`: the same mean acceptance,
+    per-token acceptance spread by a Beta law and reported by the confidence (right drafts more confident than
+    wrong ones); bad settings name the field and its range."""
+    from workers.drafters import DraftRequest, ReplayDrafter
+
+    ref = list(range(1, 4001))
+    for kind in ("noise", "beta"):
+        d = ReplayDrafter(0.7, 5000, seed=3, confidence=kind)
+        d.set_reference([0], ref)
+        prop = d.propose([DraftRequest("r", [0], 1, [], 0, 4000, SamplingParams())])
+        right = [t == r for t, r in zip(prop.tokens[0], ref)]
+        conf = prop.confidence[0]
+        assert abs(sum(right) / len(right) - 0.7) < 0.03, (kind, sum(right) / len(right))
+        mean_right = sum(c for c, ok in zip(conf, right) if ok) / sum(right)
+        mean_wrong = sum(c for c, ok in zip(conf, right) if not ok) / (len(right) - sum(right))
+        if kind == "noise":
+            assert abs(mean_right - mean_wrong) < 0.02
+        else:
+            assert mean_right > mean_wrong + 0.2, (mean_right, mean_wrong)
+    with pytest.raises(ValueError, match="replay confidence must be one of"):
+        ReplayDrafter(0.7, 10, confidence="oracle")
+    with pytest.raises(ValueError, match="replay concentration must be > 0"):
+        ReplayDrafter(0.7, 10, confidence="beta", concentration=0.0)

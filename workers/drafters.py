@@ -103,20 +103,35 @@ class NgramDrafter(Drafter):
         return Proposal(tokens, conf, [None] * len(requests))
 
 
+REPLAY_CONFIDENCE = ("noise", "beta")
+
+
 class ReplayDrafter(Drafter):
     """Benchmarks only. For a request whose prompt has a reference continuation, proposes the reference's next
-    tokens; each is kept right with probability `acceptance`, else replaced by a different token (so the
-    per-token acceptance of a greedy target that follows the reference is `acceptance`). Confidence is the
-    true probability plus noise. `cost_model` (optional) is run on the drafted block so a real drafter's
-    forward is spent."""
+    tokens; each is kept right with probability p, else replaced by a different token, so the mean per-token
+    acceptance of a greedy target that follows the reference is `acceptance`. `cost_model` (optional) is run on
+    the drafted block so a real drafter's forward is spent.
+
+    confidence="noise": p = acceptance for every token, confidence = p + N(0, noise): the confidence says
+    nothing about which drafts are right (every draft looks alike; adaptive lengths have nothing to exploit).
+    confidence="beta": each token's p ~ Beta(acceptance * concentration, (1 - acceptance) * concentration)
+    (mean `acceptance`; smaller concentration = more spread), confidence = p + N(0, noise): an informative,
+    calibrated-up-to-noise confidence, as a real drafter's probability of its token is (easy tokens near 1,
+    hard ones low)."""
 
     name = "replay"
 
     def __init__(self, acceptance: float, vocab_size: int, seed: int = 0, noise: float = 0.1,
-                 cost_model: "DraftModelDrafter | None" = None):
+                 cost_model: "DraftModelDrafter | None" = None, confidence: str = "noise",
+                 concentration: float = 2.0):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"replay acceptance must be in [0, 1], got {acceptance}")
+        if confidence not in REPLAY_CONFIDENCE:
+            raise ValueError(f"replay confidence must be one of {REPLAY_CONFIDENCE}, got {confidence!r}")
+        if not concentration > 0.0:
+            raise ValueError(f"replay concentration must be > 0, got {concentration}")
         self.acceptance, self.vocab, self.noise = acceptance, vocab_size, noise
+        self.confidence, self.concentration = confidence, concentration
         self.rng = random.Random(seed)
         self.references: dict[tuple[int, ...], list[int]] = {}
         self._matched: dict[str, tuple[int, list[int]] | None] = {}
@@ -148,16 +163,23 @@ class ReplayDrafter(Drafter):
         for rid in request_ids:
             self._matched.pop(rid, None)
 
+    def _token_acceptance(self) -> float:
+        a = self.acceptance
+        if self.confidence == "noise" or a in (0.0, 1.0):
+            return a
+        return self.rng.betavariate(a * self.concentration, (1.0 - a) * self.concentration)
+
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens, conf = [], []
         for r in requests:
             ahead = self._reference_for(r.request_id, r.token_ids) or []
             out, c = [], []
             for j in range(min(r.k, len(ahead))):
-                right = self.rng.random() < self.acceptance
+                p = self._token_acceptance()
+                right = self.rng.random() < p
                 tok = ahead[j] if right else (ahead[j] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                 out.append(tok)
-                c.append(min(1.0, max(0.0, self.acceptance + self.rng.gauss(0.0, self.noise))))
+                c.append(min(1.0, max(0.0, p + self.rng.gauss(0.0, self.noise))))
             tokens.append(out)
             conf.append(c)
         if self.cost_model is not None:

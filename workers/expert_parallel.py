@@ -472,7 +472,6 @@ class ExpertParallelActor:
         self.backend = init_group(rank, world_size, init_method, device, timeout_s)
         self.runner = factory()
         self.runner.graph_config = None  # no CUDA graphs (yet): the exchange's buffers follow the step's capacities
-        self.runner.set_planner_graphs(True)  # the planner runs no collectives: its graph stays (CUDA only)
         self.shards = shard_model_(self.runner.model, placement=placement)
         self.incarnation = uuid.uuid4().hex
 

@@ -62,26 +62,12 @@ class ModelRunner:
         self.draft_generators: dict[str, torch.Generator | None] = {}
         self.graph_config: tuple[int, int] | None = None  # (max batch, page-table width) once enabled
         self._graph_capture = True
-        self.planner_graphs: bool | None = None  # None: the planner is graphed when the steps are
         self._steps = 0
         self._graphs: OrderedDict[tuple, StepGraphs] = OrderedDict()  # per (policy flags, drafter needs), LRU
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
         self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
-        self._sync_planner_graphs()
-
-    def set_planner_graphs(self, on: bool | None) -> None:
-        """Graph the planner (True), never (False), or as the steps are (None)."""
-        self.planner_graphs = on
-        self._sync_planner_graphs()
-
-    def _sync_planner_graphs(self) -> None:
-        """The planner's graphs follow the runner's (cuda_graphs=False: everything eager), unless set on their
-        own (`planner_graphs`, e.g. under expert parallelism, where the steps cannot be graphed)."""
-        self.policy.planner.capture = self.device.type == "cuda" and (
-            self.planner_graphs if self.planner_graphs is not None
-            else self.graph_config is not None and self._graph_capture)
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
@@ -104,7 +90,6 @@ class ModelRunner:
         self.graph_config = (max_batch, max_pages_per_request)
         self._graph_capture = capture
         self._graphs.clear()  # sets built for another configuration
-        self._sync_planner_graphs()
         if warm:
             try:
                 graphs = self.step_graphs()
@@ -116,7 +101,6 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - eager still works; say why
                 self.graph_config = None
                 self._graphs.clear()
-                self._sync_planner_graphs()
                 return f"capture failed: {type(e).__name__}: {e}"
         return None
 
@@ -140,9 +124,9 @@ class ModelRunner:
         return self._graphs[flags]
 
     def captures_total(self) -> int:
-        """CUDA graphs captured so far by this runner, its drafter and its planner (a step that captured is no
-        measurement of a step)."""
-        n = sum(g.captures for g in self._graphs.values()) + len(self.policy.planner.graphs)
+        """CUDA graphs captured so far by this runner and its drafter (a step that captured is no measurement of
+        a step)."""
+        n = sum(g.captures for g in self._graphs.values())
         drafter_graphs = getattr(self.drafter, "graphs", None) or getattr(
             getattr(self.drafter, "cost_model", None), "graphs", None)
         return n + (drafter_graphs.captures if drafter_graphs is not None else 0)
@@ -156,7 +140,7 @@ class ModelRunner:
         page_size = self.cache.page_size
         block = self.policy.max_verify_len + 1
         sizes = sorted({1, max(1, max_batch // 4), max_batch})
-        lengths = sorted({1, max(2, block // 4), block})
+        lengths = sorted({1, 2, max(2, block // 4), max(2, block // 2), max(2, 3 * block // 4), block})
         gen = torch.Generator().manual_seed(seed)
         graphs = self.step_graphs()
         samples = 0
@@ -194,7 +178,7 @@ class ModelRunner:
         decodes verify their drafts (if any) without writing GDN state, and the commit replays exactly the
         accepted tokens. A request with nothing cached starts from a zero GDN state."""
         start = time.perf_counter()
-        captures_at_start = self.captures_total()  # the drafter's and the planner's captures count too
+        captures_at_start = self.captures_total()  # the drafter's captures count too
         result = StepResult()
         if not requests:
             return result
@@ -318,7 +302,7 @@ class ModelRunner:
                                    r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
         # 5. what the latency model and the calibration learn from this step (a step that captured a graph
         # first is no measurement of the step: its time goes to the calibration only)
-        self.last_step_captured = captured or self.captures_total() > captures_before  # drafter, planner too
+        self.last_step_captured = captured or self.captures_total() > captures_before  # the drafter's too
         step_ms = (time.perf_counter() - start) * 1e3  # the gate's sample: before the learning below (a
         # routing-statistics fold every 32 steps must not land in it)
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
