@@ -242,8 +242,8 @@ def main() -> None:
     ap.add_argument("--acceptance", default="0.5,0.7,0.85,0.95")
     ap.add_argument("--policies", default="fixed2,fixed4,fixed8,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--cell-tokens", type=int, default=512,
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--cell-tokens", type=int, default=2048,
                     help="at least this many output tokens per cell: requests get max(max-new, cell-tokens / c)")
     ap.add_argument("--warm-new", type=int, default=32, help="tokens of the warm-up run before each measured run")
     ap.add_argument("--drafter-layers", type=int, default=2)
@@ -333,6 +333,9 @@ def main() -> None:
                 row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_row["decode_tokens_per_s"]
                 err = runner.policy.latency.error_stats()  # prequential: each step predicted before it ran
                 row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct}
+                if runner.policy.gate is not None:
+                    row["speculative_step_share"] = runner.policy.gate.speculative_share()
+                row["draft_overhead_ms"] = dict(runner.policy.draft_overhead_ms)
                 rows.append(row)
                 dump(args.out, meta, rows)
                 print(f"c={conc} acc={acceptance} {policy}: {row['decode_tokens_per_s']:.1f} tok/s "

@@ -511,3 +511,31 @@ def test_speculation_gate_is_off_under_expert_parallelism():
     assert runner.policy.gate is not None
     _observe_slowest(runner)
     assert runner.policy.gate is None and runner.policy.should_draft([3, 4])
+
+
+def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
+    """hybridspec maximizes the goodput of the whole step: a drafted step's measured time beyond the forward
+    (drafting, planning, acceptance) is paid whatever the lengths, so a larger overhead makes longer blocks
+    worth it; the overhead is learned per batch-size bucket from whole steps and forwards."""
+    from workers.config import ModelConfig
+    from workers.policy import LengthPolicy
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
+    survival = [[0.6 ** (j + 1) for j in range(8)]]
+    short = policy._plan_hybridspec(survival, [8], [1], [100])
+    assert policy.step_overhead_ms(1) == 0.0
+    for _ in range(40):
+        policy.observe_outcome(1, True, 3, step_ms=12.0, forward_ms=5.0)  # 7 ms beyond the forward
+        policy.observe_outcome(1, False, 1, step_ms=5.0, forward_ms=4.5)  # plain steps teach nothing here
+    assert policy.step_overhead_ms(1) == pytest.approx(7.0, rel=0.02)
+    assert policy.step_overhead_ms(3) == policy.step_overhead_ms(1)  # the nearest bucket measured
+    long = policy._plan_hybridspec(survival, [8], [1], [100])
+    assert long[0] > short[0], (short, long)
+
+    def rate(lengths, overhead):
+        return (1 + sum(survival[0][:lengths[0]])) / (overhead + 4.0 + 0.3 * (1 + lengths[0]))
+    assert rate(long, 7.0) >= max(rate([k], 7.0) for k in range(9)) * (1 - 1e-12)

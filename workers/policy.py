@@ -29,6 +29,7 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # routing statistics change slowly: a fold (host read, Python over layers x E, a new touch table for the planner)
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
 COUNTS_FOLD_EVERY = 32
+OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
 
 
 class SpeculationGate:
@@ -141,6 +142,8 @@ class LengthPolicy:
         self._pending_steps = 0
         self._distinct: list[float] | None = None  # expected distinct experts of n globally routed tokens
         self.gate = SpeculationGate() if name == "hybridspec" else None
+        # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
+        self.draft_overhead_ms: dict[int, float] = {}
 
     @property
     def uses_extra_token(self) -> bool:
@@ -156,10 +159,26 @@ class LengthPolicy:
         plain_ms = self.latency.predict(StepComposition([1] * len(contexts), contexts, self.num_moe_layers))
         return self.gate.should_draft(len(contexts), 1.0 / plain_ms if plain_ms > 0 else None)  # per request
 
-    def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float) -> None:
-        """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`."""
+    def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float,
+                        forward_ms: float | None = None) -> None:
+        """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`, of which the
+        target's forward took `forward_ms` (None: not measured)."""
         if self.gate is not None and self.warm():
             self.gate.observe(batch_size, drafted, tokens, step_ms)
+        if drafted and forward_ms is not None and step_ms > forward_ms:
+            b = SpeculationGate.bucket(batch_size)
+            old = self.draft_overhead_ms.get(b)
+            new = step_ms - forward_ms
+            self.draft_overhead_ms[b] = new if old is None else old + OVERHEAD_ALPHA * (new - old)
+
+    def step_overhead_ms(self, batch_size: int) -> float:
+        """Measured ms of a drafted step beyond the target's forward (drafting, planning, acceptance, commit) at
+        this batch size's bucket, or the nearest bucket measured; 0 before any."""
+        if not self.draft_overhead_ms:
+            return 0.0
+        b = SpeculationGate.bucket(batch_size)
+        near = min(self.draft_overhead_ms, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
+        return self.draft_overhead_ms[near]
 
     def observe_profile(self, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         """One synthetic step of the start-up profile (ModelRunner.profile): latency model, token costs and
@@ -201,7 +220,9 @@ class LengthPolicy:
         the footprint-aware problem, where the cost is not a function of the token count.)"""
         base = StepComposition(tokens, contexts, self.num_moe_layers)
         cost = self.latency.token_cost(base, self._distinct_upto(sum(tokens) + sum(caps)))
-        return budget_plan(survival, caps, cost, sum(tokens)).lengths
+        # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
+        # blocks worth more than the forward alone says
+        return budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens))).lengths
 
     def _distinct_upto(self, n: int) -> list[float]:
         """Expected distinct experts (summed over MoE layers) of 0..>= n globally routed tokens, recomputed

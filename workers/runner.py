@@ -303,16 +303,19 @@ class ModelRunner:
         # 5. what the latency model and the calibration learn from this step (a step that captured a graph
         # first is no measurement of the step: its time goes to the calibration only)
         self.last_step_captured = captured or self.captures_total() > captures_before  # the drafter's too
+        # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
+        # latency model, which plans the graphed decode/verify steps
+        forward_ms = None if captured or (graphs is not None and key is None) else timer.elapsed_ms()
         step_ms = (time.perf_counter() - start) * 1e3  # the gate's sample: before the learning below (a
         # routing-statistics fold every 32 steps must not land in it)
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
-            [len(b) for b in blocks], [r.context_len for r in requests], None if captured else timer.elapsed_ms(),
+            [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
             if learns_experts and moe and moe.distinct_experts else None,
             verified), moe.expert_counts if learns_experts and moe is not None else None)
         if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
             self.policy.observe_outcome(len(requests), bool(draft_reqs),
-                                        sum(len(v) for v in result.new_tokens.values()), step_ms)
+                                        sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
