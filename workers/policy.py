@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.calibration import AcceptanceCalibrator
-from scheduler.latency_model import ExpertEstimator, LatencyModel, StepComposition, TokenCostTable
+from scheduler.latency_model import ExpertEstimator, LatencyModel, ResidualTable, StepComposition, TokenCostTable
 from scheduler.planner import budget_plan, fixed_lengths, survival_from_acceptance
 from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
@@ -37,7 +37,9 @@ class SpeculationGate:
     commit included, which the latency model's forward times leave out): per batch-size bucket an EWMA of output
     tokens per ms per request of decode steps with drafts and of plain decode steps. It drafts unless the
     speculative side is measured slower, and every PROBE-th step it tries the losing side so that a change of
-    acceptance or load is seen. Each side is measured MIN_SAMPLES times first (speculative first).
+    acceptance or load is seen (every FAR_PROBE x PROBE-th where the loser is below FAR x the winner's rate).
+    Each side is measured MIN_SAMPLES times first (speculative first). A drafted step's tokens are the plan's
+    expected tokens (LengthPolicy.observe_outcome), which vary far less from step to step than accepted lengths.
 
     Two rules keep the exploration cheap (bench/NOTES.md: short runs and the buckets met as requests finish paid
     three plain steps each, and a plain probe every 16 steps cost ~3% where speculation wins 3x):
@@ -47,7 +49,7 @@ class SpeculationGate:
       as measured); its first own sample of either side rescales the other side by the same factor, so the
       ratio between the sides carries over, not the neighbour's per-request scale."""
 
-    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN = 16, 0.25, 3, 1.2
+    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
 
     def __init__(self) -> None:
         # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
@@ -90,12 +92,14 @@ class SpeculationGate:
             draft = False
         else:
             self.asked[b] = self.asked.get(b, 0) + 1
-            spec_wins = self.rate[(b, True)] >= self.rate[(b, False)]
-            draft = spec_wins != (self.asked[b] % self.PROBE == 0)
+            spec, plain = self.rate[(b, True)], self.rate[(b, False)]
+            spec_wins = spec >= plain
+            far = min(spec, plain) < self.FAR * max(spec, plain)  # a clear loser is probed FAR_PROBE times less
+            draft = spec_wins != (self.asked[b] % (self.PROBE * (self.FAR_PROBE if far else 1)) == 0)
         self.decisions[draft] += 1
         return draft
 
-    def observe(self, batch_size: int, drafted: bool, tokens: int, step_ms: float) -> None:
+    def observe(self, batch_size: int, drafted: bool, tokens: float, step_ms: float) -> None:
         if step_ms <= 0:
             return
         b = self.bucket(batch_size)
@@ -135,6 +139,8 @@ class LengthPolicy:
                                          max(config.num_experts_per_tok, 1))
         self.latency = LatencyModel(estimator=self.estimator)
         self.token_costs = TokenCostTable()
+        self.residuals = ResidualTable()  # the latency model's misses by token count (hybridspec's plan adds them)
+        self.expected_tokens: float | None = None  # the last hybridspec plan's expected output tokens
         self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16))
         self.steps = 0
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
@@ -164,7 +170,12 @@ class LengthPolicy:
         """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`, of which the
         target's forward took `forward_ms` (None: not measured)."""
         if self.gate is not None and self.warm():
-            self.gate.observe(batch_size, drafted, tokens, step_ms)
+            # a drafted step counts the plan's expected tokens (calibrated survival), not the realized ones: the
+            # accepted length of one step is very noisy (0 or many), and a few unlucky samples would keep the gate
+            # on plain decoding for many probes
+            expected = self.expected_tokens if drafted and self.expected_tokens is not None else tokens
+            self.gate.observe(batch_size, drafted, expected, step_ms)
+        self.expected_tokens = None
         if drafted and forward_ms is not None and step_ms > forward_ms:
             b = SpeculationGate.bucket(batch_size)
             old = self.draft_overhead_ms.get(b)
@@ -219,10 +230,12 @@ class LengthPolicy:
         with no device round trip. (planner.plan_with_experts / planner_torch.plan_with_experts_device solve
         the footprint-aware problem, where the cost is not a function of the token count.)"""
         base = StepComposition(tokens, contexts, self.num_moe_layers)
-        cost = self.latency.token_cost(base, self._distinct_upto(sum(tokens) + sum(caps)))
+        cost = self.latency.token_cost(base, self._distinct_upto(sum(tokens) + sum(caps)), self.residuals)
         # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
         # blocks worth more than the forward alone says
-        return budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens))).lengths
+        plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
+        self.expected_tokens = plan.expected_tokens
+        return plan.lengths
 
     def _distinct_upto(self, n: int) -> list[float]:
         """Expected distinct experts (summed over MoE layers) of 0..>= n globally routed tokens, recomputed
@@ -260,6 +273,8 @@ class LengthPolicy:
         if anchor:
             self.latency.anchor(comp, obs.forward_ms)
         else:
+            if self.latency.fitted:  # what the model misses at this token count, before it learns the step
+                self.residuals.observe(comp.num_tokens, obs.forward_ms - self.latency.predict(comp))
             self.latency.observe(comp, obs.forward_ms)
         if not self.latency.fitted and self.latency.num_samples >= self.latency.min_samples:
             self.latency.fit()
