@@ -558,3 +558,31 @@ def test_residual_table_corrects_the_model_by_token_count():
     model = LatencyModel(LatencyCoefs(const_ms=1.0, ms_per_token=0.1))
     cost = model.token_cost(StepComposition([1], [0], 0), [0.0] * 64, table)
     assert cost.cost_ms(48) == pytest.approx(1.0 + 4.8 + 3.0)
+
+
+def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
+    """The router correction's extra token is sent while its measured keep rate makes it pay (P(kept) x the
+    survival of that draft per marginal ms beats the plan's goodput) and stops where the batch rarely covers its
+    experts; without a plan (warm-up) every request below its cap gets one."""
+    from workers.config import ModelConfig
+    from workers.policy import LengthPolicy
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    assert policy.extra_tokens([2, 8, 0], [8, 8, 0]) == {0}  # no plan yet: every request below its cap
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.3)  # experts dominate
+    survival = [[0.8 ** (j + 1) for j in range(8)], [0.5 ** (j + 1) for j in range(8)]]
+
+    def extras():
+        lengths = policy._plan_hybridspec(survival, [8, 8], [1, 1], [50, 50])
+        return lengths, policy.extra_tokens(lengths, [8, 8])
+
+    lengths, sent = extras()
+    assert lengths[1] < 8 and 1 in sent, (lengths, sent)  # optimistic keep rate: worth a token without experts
+    for _ in range(200):
+        policy.observe_extra(2, 0, 2)  # never kept at this batch size
+    lengths, sent = extras()
+    assert sent == set(), (lengths, sent)
+    assert policy.extra_tokens(lengths, [8, 8]) == {i for i in (0, 1) if lengths[i] < 8}  # a stale plan is not used

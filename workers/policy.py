@@ -30,6 +30,8 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
 COUNTS_FOLD_EVERY = 32
 OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
+EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
+EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 
 
 class SpeculationGate:
@@ -141,6 +143,8 @@ class LengthPolicy:
         self.token_costs = TokenCostTable()
         self.residuals = ResidualTable()  # the latency model's misses by token count (hybridspec's plan adds them)
         self.expected_tokens: float | None = None  # the last hybridspec plan's expected output tokens
+        self._last_plan: tuple | None = None  # (survival, cost, plan, base tokens) of this step's plan
+        self.extra_keep: dict[int, tuple[float, float]] = {}  # bucket -> decayed (kept, sent) extra tokens
         self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16))
         self.steps = 0
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
@@ -210,6 +214,7 @@ class LengthPolicy:
     def lengths(self, drafter: str, caps: list[int], confidences: list[list[float]], tokens: list[int],
                 contexts: list[int]) -> list[int]:
         """caps/confidences per request of the step (prefill rows: cap 0, no confidences)."""
+        self._last_plan = None
         if self.name == "ar":
             return [0] * len(caps)
         caps = [min(c, len(conf)) for c, conf in zip(caps, confidences)]
@@ -235,7 +240,35 @@ class LengthPolicy:
         # blocks worth more than the forward alone says
         plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
         self.expected_tokens = plan.expected_tokens
+        self._last_plan = (survival, cost, plan, sum(tokens))
         return plan.lengths
+
+    def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:
+        """Requests that get the router correction's extra token (the draft after their L_i, sent to the first
+        MoE router and kept only if the batch covers its experts). The rule: send it where its expected gain,
+        P(kept) x survival of that draft, per ms of one more token without new experts (the latency model's
+        ms_per_token: a dropped token costs no expert work, a kept one touches only covered experts) beats the
+        plan's goodput (expected tokens per ms of the whole step); the plan itself left that draft out because
+        its expert cost was too high. P(kept) is measured per batch-size bucket
+        (optimistic at first, so it gets measured). Small batches rarely cover a token's experts: there the extra
+        token would cost a row of every dense layer for nothing. Without a plan of this step: every request
+        with L_i < cap_i."""
+        candidates = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
+        if self._last_plan is None or not candidates:
+            return set(candidates)
+        survival, cost, plan, _ = self._last_plan
+        self._last_plan = None
+        marginal = max(cost.ms_per_token, 1e-9)  # a row of every dense layer; a kept token adds no expert
+        kept, sent = self.extra_keep.get(SpeculationGate.bucket(len(lengths)), EXTRA_KEEP_PRIOR)
+        p_keep = kept / sent
+        return {i for i in candidates
+                if p_keep * survival[i][lengths[i]] * plan.step_ms > marginal * plan.expected_tokens}
+
+    def observe_extra(self, batch_size: int, kept: int, sent: int) -> None:
+        """The router correction kept `kept` of the `sent` extra tokens of a step (decayed counts per bucket)."""
+        b = SpeculationGate.bucket(batch_size)
+        k, n = self.extra_keep.get(b, EXTRA_KEEP_PRIOR)
+        self.extra_keep[b] = (EXTRA_KEEP_DECAY * k + kept, EXTRA_KEEP_DECAY * n + sent)
 
     def _distinct_upto(self, n: int) -> list[float]:
         """Expected distinct experts (summed over MoE layers) of 0..>= n globally routed tokens, recomputed

@@ -207,9 +207,10 @@ class ModelRunner:
                 caps[i], confs[i] = min(requests[i].draft_cap, len(toks)), conf
             lengths = self.policy.lengths(self.drafter.name, caps, confs, [len(r.tokens) for r in requests],
                                           [r.context_len for r in requests])
+            extra_ok = self.policy.extra_tokens(lengths, caps) if self.policy.uses_extra_token else set()
             for i, toks, probs, conf in zip(spec, proposal.tokens, proposal.probs, proposal.confidence):
                 n = lengths[i]
-                if self.policy.uses_extra_token and n < caps[i]:
+                if i in extra_ok:
                     n += 1  # one extra token, kept only if the router correction finds its experts covered
                     extra.add(i)
                 if n > 0:  # L = 0 is plain decoding
@@ -266,6 +267,7 @@ class ModelRunner:
         # 3. the router correction's verdict on each extra token: a masked one is not verified
         if extra and moe is not None and moe.token_mask is not None:
             kept = moe.token_mask.tolist()
+            self.policy.observe_extra(len(requests), sum(bool(kept[starts[i + 1] - 1]) for i in extra), len(extra))
             for i in extra:
                 if not kept[starts[i + 1] - 1]:
                     drafts[i] = drafts[i][:-1]
