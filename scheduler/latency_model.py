@@ -301,6 +301,25 @@ class ResidualTable:
             self.mean.insert(i, float(residual_ms))
             self.count.insert(i, 1.0)
 
+    def range(self, lo: int, hi: int) -> list[float]:
+        """[at(n) for n in lo..hi], walking the seen token counts once."""
+        ts, ms = self.tokens, self.mean
+        if not ts:
+            return [0.0] * (hi - lo + 1)
+        out, i = [], bisect.bisect_left(ts, lo)
+        for n in range(lo, hi + 1):
+            while i < len(ts) and ts[i] < n:
+                i += 1
+            if i < len(ts) and ts[i] == n:
+                out.append(ms[i])
+            elif i == 0:
+                out.append(ms[0])
+            elif i == len(ts):
+                out.append(ms[-1])
+            else:
+                out.append(ms[i - 1] + (n - ts[i - 1]) / (ts[i] - ts[i - 1]) * (ms[i] - ms[i - 1]))
+        return out
+
     def at(self, num_tokens: float) -> float:
         ts = self.tokens
         if not ts:
@@ -333,6 +352,16 @@ class ModelTokenCost:
             raise ValueError(f"num_tokens must be in [0, {len(self.distinct_total) - 1}], got {num_tokens}")
         linear = self.fixed_ms + self.ms_per_token * n + self.ms_per_expert * self.distinct_total[n]
         return linear + (self.residual.at(n) if self.residual is not None else 0.0)
+
+    def costs_ms(self, lo: int, hi: int) -> list[float]:
+        """[cost_ms(n) for n in lo..hi] in one pass (the planner's search reads every one of them)."""
+        if not 0 <= lo <= hi < len(self.distinct_total):
+            raise ValueError(f"token range must be within [0, {len(self.distinct_total) - 1}], got [{lo}, {hi}]")
+        f, t, e, d = self.fixed_ms, self.ms_per_token, self.ms_per_expert, self.distinct_total
+        out = [f + t * n + e * d[n] for n in range(lo, hi + 1)]
+        if self.residual is not None:
+            out = [c + r for c, r in zip(out, self.residual.range(lo, hi))]
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -592,6 +621,23 @@ class TokenCostTable:
         var = sum((t - mt) ** 2 for t in ts)
         slope = max(0.0, sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var) if var else 0.0
         return ys[-1] + slope * (num_tokens - ts[-1])
+
+    def costs_ms(self, lo: int, hi: int) -> list[float]:
+        """[cost_ms(n) for n in lo..hi], walking the table once (the budget search reads every one of them)."""
+        ts, ys = self.tokens, self._fitted_ms
+        if len(ts) <= 1 or not ts:
+            return [self.cost_ms(n) for n in range(lo, hi + 1)]
+        out, i = [], bisect.bisect_left(ts, lo)
+        for n in range(lo, hi + 1):
+            while i < len(ts) and ts[i] < n:
+                i += 1
+            if n <= ts[0]:
+                out.append(ys[0])
+            elif i == len(ts):
+                out.append(self.cost_ms(n))  # beyond the last point: the fitted line
+            else:
+                out.append(ys[i - 1] + (n - ts[i - 1]) / (ts[i] - ts[i - 1]) * (ys[i] - ys[i - 1]))
+        return out
 
     def dense_ms(self, max_tokens: int) -> list[float]:
         """cost_ms(t) for t = 0..max_tokens (a lookup table for planner_torch.budget_plan_device)."""

@@ -172,21 +172,21 @@ def budget_plan(survival: Sequence[Sequence[float]], caps: Sequence[int], table:
     For any cost that depends on the step's token count only (a ModelTokenCost: the latency model when every
     request routes by global popularity) the b highest scores are the best b drafts, so this search is exact."""
     caps = _clip_caps(survival, caps)
-    items = sorted(((float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap)),
-                   key=lambda t: (-t[0], t[1], t[2]))
+    items = sorted((-float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap))  # best first
     gain0 = float(len(survival)) if base_gain is None else float(base_gain)
-    best_b, best_r, gain = 0, gain0 / (draft_ms + table.cost_ms(base_tokens)), gain0
-    for b, (s, _, _) in enumerate(items, start=1):
-        gain += s
-        r = gain / (draft_ms + table.cost_ms(base_tokens + b))
+    costs = table.costs_ms(base_tokens, base_tokens + len(items))
+    best_b, best_r, gain = 0, gain0 / (draft_ms + costs[0]), gain0
+    for b, (neg_s, _, _) in enumerate(items, start=1):
+        gain -= neg_s
+        r = gain / (draft_ms + costs[b])
         if r > best_r:
             best_b, best_r = b, r
     lengths = [0] * len(survival)
     gain = gain0
-    for s, i, j in items[:best_b]:
+    for neg_s, i, j in items[:best_b]:
         lengths[i] = max(lengths[i], j + 1)
-        gain += s
-    return Plan(lengths, gain, draft_ms + table.cost_ms(base_tokens + best_b))
+        gain -= neg_s
+    return Plan(lengths, gain, draft_ms + costs[best_b])
 
 
 def plan_with_experts(survival: Sequence[Sequence[float]], caps: Sequence[int], coefs: LatencyCoefs,

@@ -586,3 +586,29 @@ def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
     lengths, sent = extras()
     assert sent == set(), (lengths, sent)
     assert policy.extra_tokens(lengths, [8, 8]) == {i for i in (0, 1) if lengths[i] < 8}  # a stale plan is not used
+
+
+def test_cost_ranges_equal_pointwise_costs():
+    """budget_plan reads a whole range of step costs at once (costs_ms): it equals cost_ms point by point for
+    the token table (inside, between and beyond its points) and the model's token cost with residuals; the
+    grouped distinct-experts table of a large touch table stays within 0.1% of the exact one."""
+    from scheduler.latency_model import ResidualTable
+
+    table = TokenCostTable.fit([(1, 5.0), (4, 5.5), (17, 7.0), (40, 12.0), (40, 11.0)])
+    assert table.costs_ms(0, 60) == pytest.approx([table.cost_ms(n) for n in range(61)], rel=1e-12)
+    res = ResidualTable()
+    for t, r in ((3, 0.5), (9, -0.2), (30, 1.0)):
+        res.observe(t, r)
+    model = LatencyModel(LatencyCoefs(const_ms=1.0, ms_per_token=0.1, ms_per_expert=0.01))
+    cost = model.token_cost(StepComposition([1], [0], 1), [math.sqrt(n) for n in range(50)], res)
+    assert cost.costs_ms(2, 49) == pytest.approx([cost.cost_ms(n) for n in range(2, 50)], rel=1e-12)
+    with pytest.raises(ValueError, match="token range must be within"):
+        cost.costs_ms(0, 50)
+    big = ExpertEstimator(40, 256, 8)
+    rng = random.Random(3)
+    big.observe_counts([[rng.paretovariate(1.2) for _ in range(256)] for _ in range(40)])
+    touch = torch.tensor(big.touch_prob_table(), dtype=torch.float64)
+    grouped = distinct_by_tokens_device(touch, 300)
+    exact = distinct_by_tokens_device(touch, 300, exact_upto=10**9)
+    assert torch.allclose(grouped, exact, rtol=1e-3, atol=1e-9)
+    assert abs(exact[37].item() - big.expected_distinct_total(37)) < 1e-6
