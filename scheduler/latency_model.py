@@ -233,9 +233,13 @@ class LatencyModel:
 
     def predict(self, comp: StepComposition) -> float:
         """Predicted step time in ms."""
+        return self.predict_features(self.features(comp))
+
+    def predict_features(self, x: Sequence[float]) -> float:
+        """Predicted ms of a step given its features (FEATURES order, as `features` returns them)."""
         if self.coefs is None:
             raise RuntimeError("latency model is not fitted: run a start-up profile (fit) or pass coefs")
-        return sum(c * x for c, x in zip(self.coefs.as_list(), self.features(comp)))
+        return sum(c * v for c, v in zip(self.coefs.as_list(), x))
 
     def token_cost(self, base: StepComposition, distinct_total: Sequence[float],
                    residual: "ResidualTable | None" = None) -> "ModelTokenCost":

@@ -208,6 +208,11 @@ class LengthPolicy:
         exploring."""
         if self.latency.num_samples >= self.latency.min_samples:
             self.latency.fit()
+            # the residual table starts from the profile's misses: token counts a policy has not chosen yet are
+            # then priced as measured, not as the last one it chose (a plan stuck at short blocks never learns
+            # what long ones cost)
+            for x, ms in self.latency.anchors:
+                self.residuals.observe(int(x[1]), ms - self.latency.predict_features(x))
         self.profiled = self.latency.fitted
         return self.profiled
 

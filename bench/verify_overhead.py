@@ -1,0 +1,95 @@
+"""What hybridspec's verification graphs cost beyond budget's at the same shapes (issue 7), one command on the H200:
+    PYTHONPATH=. python bench/verify_overhead.py --layers 40 --out $OUT
+hybridspec's graph set is captured with the router correction's extra-token input and per-expert routing counts
+(workers/graphs.py `extra_token`, `collect_counts`); budget's and fixed K's without. On the bench model it replays
+the same verification steps (B requests x T tokens, the spare page and slot) from both sets and reports the
+median forward ms of each (CUDA events around the replay), and of hybridspec's set with one extra token per
+request. `--tiny` runs the plumbing on CPU (graphs' padded batches, eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import git_commit, tiny_config  # noqa: E402
+from workers.bench_model import build_bench_model  # noqa: E402
+from workers.cache import ModelCache  # noqa: E402
+from workers.runner import ModelRunner  # noqa: E402
+
+
+def time_steps(runner: ModelRunner, b: int, t: int, extra: bool, reps: int) -> float:
+    """Median ms of `reps` replays of a B x T verification step (after one warm-up that captures)."""
+    graphs = runner.step_graphs()
+    spare_page, spare_slot = runner.cache.num_pages - 1, runner.cache.num_slots - 1
+    pages = [[spare_page] * (-(-(8 + t) // runner.cache.page_size))] * b
+    blocks = [[1] * t for _ in range(b)]
+    key = graphs.bucket(b, b * t, t, len(pages[0]))
+    extra_rows = [i * t + t - 1 for i in range(b)] if extra else []
+    times = []
+    for rep in range(reps + 1):
+        if runner.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.run(key, blocks, [8] * b, pages, [spare_slot] * b, [False] * b, extra_rows)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            graphs.run(key, blocks, [8] * b, pages, [spare_slot] * b, [False] * b, extra_rows)
+            ms = (time.perf_counter() - t0) * 1e3
+        if rep:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shapes", default="1x8,1x17,4x17,16x9,16x17")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_bench_model(config=tiny_config(), dtype=dtype, device=device, decisive=True) if args.tiny else \
+        build_bench_model(num_layers=args.layers, dtype=dtype, device=device, decisive=True)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    max_b = max(b for b, _ in shapes)
+    cache = ModelCache(model.config, 8, 16, max_b + 1, dtype, device)
+    runner = ModelRunner(model, cache)
+    why = runner.enable_graphs(max_b, 4, warm=False, capture=device == "cuda")
+    assert why is None, why
+    rows = []
+    for b, t in shapes:
+        row = {"B": b, "T": t}
+        for policy, extra in (("budget", False), ("hybridspec", False), ("hybridspec", True)):
+            runner.set_policy(policy, 16)
+            name = policy + ("+extra" if extra else "")
+            row[name] = time_steps(runner, b, t, extra, args.reps)
+        row["hybridspec_over_budget_ms"] = row["hybridspec"] - row["budget"]
+        rows.append(row)
+        print(f"B={b} T={t}: budget {row['budget']:.3f} ms, hybridspec {row['hybridspec']:.3f} ms "
+              f"(+{row['hybridspec_over_budget_ms']:.3f}), with extra tokens {row['hybridspec+extra']:.3f} ms",
+              flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verify_overhead.json").write_text(json.dumps({"commit": git_commit(), "device": device,
+                                                           "layers": model.config.num_hidden_layers,
+                                                           "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
