@@ -241,20 +241,18 @@ class LatencyModel:
             raise RuntimeError("latency model is not fitted: run a start-up profile (fit) or pass coefs")
         return sum(c * v for c, v in zip(self.coefs.as_list(), x))
 
-    def token_cost(self, base: StepComposition, distinct_total: Sequence[float],
-                   residual: "ResidualTable | None" = None) -> "ModelTokenCost":
+    def token_cost(self, base: StepComposition, distinct_total: Sequence[float]) -> "ModelTokenCost":
         """The model as a cost of the step's token count, for a batch whose tokens all route by global
         popularity (no request footprints): then the distinct experts of a step depend on its token count only,
         distinct_total[n] = ExpertEstimator.expected_distinct_total(n), and the best plan for any token count
         is the highest survival scores (planner.budget_plan's search, exact here). base: the step with every
-        L_i = 0 (its requests and context lengths are fixed; its token count is the argument of cost_ms).
-        residual: the model's measured misses by token count (ResidualTable), added to its prediction."""
+        L_i = 0 (its requests and context lengths are fixed; its token count is the argument of cost_ms)."""
         if self.coefs is None:
             raise RuntimeError("latency model is not fitted: run a start-up profile (fit) or pass coefs")
         c = self.coefs
         fixed = c.const_ms + c.ms_per_request * base.num_requests + c.ms_per_context_token * base.context_tokens
         return ModelTokenCost(fixed, c.ms_per_token, c.ms_per_expert if base.num_moe_layers else 0.0,
-                              list(distinct_total), residual)
+                              distinct_total)
 
     def plan_cost(self, base: StepComposition, draft_ms: float = 0.0) -> PlanCost:
         """The model linearized for the planner: base = the step with every L_i = 0 (its experts estimated),
@@ -282,90 +280,28 @@ class LatencyModel:
         return ErrorStats.of((self.predict(c), ms) for c, ms in samples)
 
 
-class ResidualTable:
-    """What a linear model misses as a function of the step's token count (GEMM tiles, MoE block padding, kernel
-    variants switching at some sizes): per token count, the mean of (measured - predicted) over its last ~window
-    samples; between token counts seen it interpolates linearly, beyond them it holds the nearest one's value,
-    where none was seen it is 0."""
-
-    def __init__(self, window: float = 32.0):
-        self.window = window
-        self.tokens: list[int] = []  # sorted
-        self.mean: list[float] = []
-        self.count: list[float] = []
-
-    def observe(self, num_tokens: int, residual_ms: float) -> None:
-        t = int(num_tokens)
-        i = bisect.bisect_left(self.tokens, t)
-        if i < len(self.tokens) and self.tokens[i] == t:
-            self.count[i] = min(self.count[i] + 1.0, self.window)
-            self.mean[i] += (residual_ms - self.mean[i]) / self.count[i]
-        else:
-            self.tokens.insert(i, t)
-            self.mean.insert(i, float(residual_ms))
-            self.count.insert(i, 1.0)
-
-    def range(self, lo: int, hi: int) -> list[float]:
-        """[at(n) for n in lo..hi], walking the seen token counts once."""
-        ts, ms = self.tokens, self.mean
-        if not ts:
-            return [0.0] * (hi - lo + 1)
-        out, i = [], bisect.bisect_left(ts, lo)
-        for n in range(lo, hi + 1):
-            while i < len(ts) and ts[i] < n:
-                i += 1
-            if i < len(ts) and ts[i] == n:
-                out.append(ms[i])
-            elif i == 0:
-                out.append(ms[0])
-            elif i == len(ts):
-                out.append(ms[-1])
-            else:
-                out.append(ms[i - 1] + (n - ts[i - 1]) / (ts[i] - ts[i - 1]) * (ms[i] - ms[i - 1]))
-        return out
-
-    def at(self, num_tokens: float) -> float:
-        ts = self.tokens
-        if not ts:
-            return 0.0
-        i = bisect.bisect_left(ts, num_tokens)
-        if i < len(ts) and ts[i] == num_tokens:
-            return self.mean[i]
-        if i == 0:
-            return self.mean[0]
-        if i == len(ts):
-            return self.mean[-1]
-        f = (num_tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
-        return self.mean[i - 1] + f * (self.mean[i] - self.mean[i - 1])
-
-
 @dataclass(frozen=True)
 class ModelTokenCost:
-    """LatencyModel.token_cost: cost_ms(n) = fixed_ms + ms_per_token n + ms_per_expert distinct_total[n]
-    + residual.at(n) (the same interface as TokenCostTable, so planner.budget_plan searches it)."""
+    """LatencyModel.token_cost: cost_ms(n) = fixed_ms + ms_per_token n + ms_per_expert distinct_total[n] (the
+    same interface as TokenCostTable, so planner.budget_plan searches it)."""
 
     fixed_ms: float  # const + per-request + context terms of the step's batch
     ms_per_token: float
     ms_per_expert: float
-    distinct_total: list[float]  # expected distinct experts (summed over MoE layers) of n tokens, n = 0, 1, ...
-    residual: ResidualTable | None = None
+    distinct_total: Sequence[float]  # expected distinct experts (summed over MoE layers) of n tokens, n = 0, 1, ...
 
     def cost_ms(self, num_tokens: float) -> float:
         n = int(num_tokens)
         if not 0 <= n < len(self.distinct_total):
             raise ValueError(f"num_tokens must be in [0, {len(self.distinct_total) - 1}], got {num_tokens}")
-        linear = self.fixed_ms + self.ms_per_token * n + self.ms_per_expert * self.distinct_total[n]
-        return linear + (self.residual.at(n) if self.residual is not None else 0.0)
+        return self.fixed_ms + self.ms_per_token * n + self.ms_per_expert * self.distinct_total[n]
 
     def costs_ms(self, lo: int, hi: int) -> list[float]:
         """[cost_ms(n) for n in lo..hi] in one pass (the planner's search reads every one of them)."""
         if not 0 <= lo <= hi < len(self.distinct_total):
             raise ValueError(f"token range must be within [0, {len(self.distinct_total) - 1}], got [{lo}, {hi}]")
         f, t, e, d = self.fixed_ms, self.ms_per_token, self.ms_per_expert, self.distinct_total
-        out = [f + t * n + e * d[n] for n in range(lo, hi + 1)]
-        if self.residual is not None:
-            out = [c + r for c, r in zip(out, self.residual.range(lo, hi))]
-        return out
+        return [f + t * n + e * d[n] for n in range(lo, hi + 1)]
 
 
 # ---------------------------------------------------------------------------------------------------------

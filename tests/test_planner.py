@@ -542,22 +542,28 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
     assert rate(long, 7.0) >= max(rate([k], 7.0) for k in range(9)) * (1 - 1e-12)
 
 
-def test_residual_table_corrects_the_model_by_token_count():
-    """A linear model misses steps whose cost jumps at some token counts; the residual table learns the misses
-    per token count and hybridspec's cost adds them (interpolated between counts seen, held beyond them)."""
-    from scheduler.latency_model import ResidualTable
+def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
+    """hybridspec's step cost: the forward ms it measured by token count at the batch's size bucket once it has
+    two token counts there (the linear model misses graph-bucket steps), the latency model before and at batch
+    sizes it has not run."""
+    from scheduler.latency_model import ModelTokenCost
+    from workers.config import ModelConfig
+    from workers.policy import LengthPolicy, StepObservation
 
-    table = ResidualTable(window=4)
-    assert table.at(10) == 0.0
-    for _ in range(10):
-        table.observe(16, 1.0)
-        table.observe(48, 3.0)
-    table.observe(16, 5.0)  # a window of 4: the mean moves by a quarter of the miss
-    assert table.at(16) == pytest.approx(2.0) and table.at(48) == pytest.approx(3.0)
-    assert table.at(32) == pytest.approx(2.5) and table.at(1) == pytest.approx(2.0) and table.at(500) == 3.0
-    model = LatencyModel(LatencyCoefs(const_ms=1.0, ms_per_token=0.1))
-    cost = model.token_cost(StepComposition([1], [0], 0), [0.0] * 64, table)
-    assert cost.cost_ms(48) == pytest.approx(1.0 + 4.8 + 3.0)
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
+    assert isinstance(policy.step_cost([1, 1], [10, 10], 20), ModelTokenCost)
+    for t, ms in ((2, 5.0), (10, 9.0), (18, 9.5)):  # a step function of the token count at 2 requests
+        policy.observe_profile(StepObservation([t // 2] * 2, [10, 10], ms, None), None)
+    cost = policy.step_cost([1, 1], [10, 10], 20)
+    assert isinstance(cost, TokenCostTable) and cost.cost_ms(10) == pytest.approx(9.0)
+    assert isinstance(policy.step_cost([1] * 4, [10] * 4, 40), ModelTokenCost)  # bucket 4: nothing measured
+    budget = LengthPolicy("budget", cfg, max_verify_len=8)
+    budget.observe_profile(StepObservation([1, 1], [10, 10], 5.0, None), None)
+    assert not budget.bucket_costs  # only hybridspec keeps them
 
 
 def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
@@ -590,17 +596,12 @@ def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
 
 def test_cost_ranges_equal_pointwise_costs():
     """budget_plan reads a whole range of step costs at once (costs_ms): it equals cost_ms point by point for
-    the token table (inside, between and beyond its points) and the model's token cost with residuals; the
-    grouped distinct-experts table of a large touch table stays within 0.1% of the exact one."""
-    from scheduler.latency_model import ResidualTable
-
+    the token table (inside, between and beyond its points) and the model's token cost; the grouped
+    distinct-experts table of a large touch table stays within 0.1% of the exact one."""
     table = TokenCostTable.fit([(1, 5.0), (4, 5.5), (17, 7.0), (40, 12.0), (40, 11.0)])
     assert table.costs_ms(0, 60) == pytest.approx([table.cost_ms(n) for n in range(61)], rel=1e-12)
-    res = ResidualTable()
-    for t, r in ((3, 0.5), (9, -0.2), (30, 1.0)):
-        res.observe(t, r)
     model = LatencyModel(LatencyCoefs(const_ms=1.0, ms_per_token=0.1, ms_per_expert=0.01))
-    cost = model.token_cost(StepComposition([1], [0], 1), [math.sqrt(n) for n in range(50)], res)
+    cost = model.token_cost(StepComposition([1], [0], 1), [math.sqrt(n) for n in range(50)])
     assert cost.costs_ms(2, 49) == pytest.approx([cost.cost_ms(n) for n in range(2, 50)], rel=1e-12)
     with pytest.raises(ValueError, match="token range must be within"):
         cost.costs_ms(0, 50)

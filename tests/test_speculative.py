@@ -315,8 +315,8 @@ def test_startup_profile_fits_the_latency_model_before_serving_and_stays_lossles
     assert policy.profiled and policy.latency.fitted and policy.steps == 0 and policy.warm()
     profiled_samples = len(policy.latency.anchors)  # kept in every later fit
     assert profiled_samples >= policy.latency.min_samples and not policy.latency.samples
-    # the residual table starts with the profile's misses at every token count it ran
-    assert set(policy.residuals.tokens) == {int(x[1]) for x, _ in policy.latency.anchors}
+    # and hybridspec's measured cost per batch-size bucket starts with the profile's batch sizes
+    assert set(policy.bucket_costs) == {policy.gate.bucket(b) for b in (1, 2, 9)}
     for prompt, ref in zip(PROMPTS, reference):
         llm.set_replay_reference(prompt, ref)
     tokens, stats = run(llm)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.calibration import AcceptanceCalibrator
-from scheduler.latency_model import ExpertEstimator, LatencyModel, ResidualTable, StepComposition, TokenCostTable
+from scheduler.latency_model import ExpertEstimator, LatencyModel, ModelTokenCost, StepComposition, TokenCostTable
 from scheduler.planner import budget_plan, fixed_lengths, survival_from_acceptance
 from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
@@ -141,7 +141,8 @@ class LengthPolicy:
                                          max(config.num_experts_per_tok, 1))
         self.latency = LatencyModel(estimator=self.estimator)
         self.token_costs = TokenCostTable()
-        self.residuals = ResidualTable()  # the latency model's misses by token count (hybridspec's plan adds them)
+        # hybridspec: forward ms by token count per batch-size bucket (SpeculationGate.bucket), measured
+        self.bucket_costs: dict[int, TokenCostTable] = {}
         self.expected_tokens: float | None = None  # the last hybridspec plan's expected output tokens
         self._last_plan: tuple | None = None  # (survival, cost, plan, base tokens) of this step's plan
         self.extra_keep: dict[int, tuple[float, float]] = {}  # bucket -> decayed (kept, sent) extra tokens
@@ -208,11 +209,6 @@ class LengthPolicy:
         exploring."""
         if self.latency.num_samples >= self.latency.min_samples:
             self.latency.fit()
-            # the residual table starts from the profile's misses: token counts a policy has not chosen yet are
-            # then priced as measured, not as the last one it chose (a plan stuck at short blocks never learns
-            # what long ones cost)
-            for x, ms in self.latency.anchors:
-                self.residuals.observe(int(x[1]), ms - self.latency.predict_features(x))
         self.profiled = self.latency.fitted
         return self.profiled
 
@@ -231,16 +227,26 @@ class LengthPolicy:
             return budget_plan(survival, caps, self.token_costs, sum(tokens)).lengths
         return self._plan_hybridspec(survival, caps, tokens, contexts)
 
+    def step_cost(self, tokens: list[int], contexts: list[int], max_tokens: int) -> TokenCostTable | ModelTokenCost:
+        """hybridspec's forward cost of this batch as a function of the step's token count: what it measured at
+        this batch-size bucket (start-up profile and served steps) where it has two token counts or more, else
+        the latency model (tokens, distinct experts, requests, context). The linear model misses the steps of
+        the graphs' token buckets and kernel variants: planning on it alone chose 30-60% shorter or longer blocks
+        than the measured costs justify (bench/NOTES.md, e2e runs 3-4 of 2026-11-30)."""
+        table = self.bucket_costs.get(SpeculationGate.bucket(len(tokens)))
+        if table is not None and len(table.tokens) >= 2:
+            return table
+        base = StepComposition(tokens, contexts, self.num_moe_layers)
+        return self.latency.token_cost(base, self._distinct_upto(max_tokens))
+
     def _plan_hybridspec(self, survival: list[list[float]], caps: list[int], tokens: list[int],
                          contexts: list[int]) -> list[int]:
-        """The joint plan under the latency model. Every request's tokens route by global popularity (the
-        worker keeps no per-request expert footprints), so a step's expected distinct experts depend on its
-        token count only and the best plan for each token count is the highest survival scores: the search of
-        budget_plan over the latency model's cost is exact (planner.budget_plan), O(B K log(B K)) on the host
-        with no device round trip. (planner.plan_with_experts / planner_torch.plan_with_experts_device solve
-        the footprint-aware problem, where the cost is not a function of the token count.)"""
-        base = StepComposition(tokens, contexts, self.num_moe_layers)
-        cost = self.latency.token_cost(base, self._distinct_upto(sum(tokens) + sum(caps)), self.residuals)
+        """The joint plan. Every request's tokens route by global popularity (the worker keeps no per-request
+        expert footprints), so a step's cost depends on its token count only (step_cost) and the best plan for
+        each token count is the highest survival scores: the search of budget_plan over that cost is exact,
+        O(B K log(B K)) on the host with no device round trip. (planner.plan_with_experts /
+        planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.)"""
+        cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
         # blocks worth more than the forward alone says
         plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
@@ -261,13 +267,24 @@ class LengthPolicy:
         candidates = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
         if self._last_plan is None or not candidates:
             return set(candidates)
-        survival, cost, plan, _ = self._last_plan
+        survival, cost, plan, base_tokens = self._last_plan
         self._last_plan = None
-        marginal = max(cost.ms_per_token, 1e-9)  # a row of every dense layer; a kept token adds no expert
+        total = base_tokens + sum(lengths)
+        marginal = self._dense_token_ms(cost, total)
         kept, sent = self.extra_keep.get(SpeculationGate.bucket(len(lengths)), EXTRA_KEEP_PRIOR)
         p_keep = kept / sent
         return {i for i in candidates
                 if p_keep * survival[i][lengths[i]] * plan.step_ms > marginal * plan.expected_tokens}
+
+    def _dense_token_ms(self, cost: TokenCostTable | ModelTokenCost, total: int) -> float:
+        """ms of one more token at this step's token count without new experts: the cost's measured slope less
+        the latency model's expert part of it, at least the model's ms_per_token."""
+        coefs = self.latency.coefs
+        slope = cost.cost_ms(total + 1) - cost.cost_ms(total)
+        if coefs is None:
+            return max(slope, 1e-9)
+        d = self._distinct_upto(total + 1)
+        return max(slope - coefs.ms_per_expert * (d[total + 1] - d[total]), coefs.ms_per_token, 1e-9)
 
     def observe_extra(self, batch_size: int, kept: int, sent: int) -> None:
         """The router correction kept `kept` of the `sent` extra tokens of a step (decayed counts per bucket)."""
@@ -311,9 +328,10 @@ class LengthPolicy:
         if anchor:
             self.latency.anchor(comp, obs.forward_ms)
         else:
-            if self.latency.fitted:  # what the model misses at this token count, before it learns the step
-                self.residuals.observe(comp.num_tokens, obs.forward_ms - self.latency.predict(comp))
             self.latency.observe(comp, obs.forward_ms)
+        if self.name == "hybridspec":  # its measured cost per batch-size bucket (step_cost)
+            table = self.bucket_costs.setdefault(SpeculationGate.bucket(comp.num_requests), TokenCostTable())
+            table.observe(comp.num_tokens, obs.forward_ms)
         if not self.latency.fitted and self.latency.num_samples >= self.latency.min_samples:
             self.latency.fit()
         self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
