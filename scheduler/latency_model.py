@@ -556,17 +556,14 @@ class TokenCostTable:
             if num_tokens <= ts[i]:
                 f = (num_tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
                 return ys[i - 1] + f * (ys[i] - ys[i - 1])
-        mt = sum(ts) / len(ts)
-        my = sum(ys) / len(ys)
-        var = sum((t - mt) ** 2 for t in ts)
-        slope = max(0.0, sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var) if var else 0.0
-        return ys[-1] + slope * (num_tokens - ts[-1])
+        return ys[-1] + self._tail_slope() * (num_tokens - ts[-1])
 
     def costs_ms(self, lo: int, hi: int) -> list[float]:
         """[cost_ms(n) for n in lo..hi], walking the table once (the budget search reads every one of them)."""
         ts, ys = self.tokens, self._fitted_ms
         if len(ts) <= 1 or not ts:
             return [self.cost_ms(n) for n in range(lo, hi + 1)]
+        slope = self._tail_slope()
         out, i = [], bisect.bisect_left(ts, lo)
         for n in range(lo, hi + 1):
             while i < len(ts) and ts[i] < n:
@@ -574,10 +571,18 @@ class TokenCostTable:
             if n <= ts[0]:
                 out.append(ys[0])
             elif i == len(ts):
-                out.append(self.cost_ms(n))  # beyond the last point: the fitted line
+                out.append(ys[-1] + slope * (n - ts[-1]))  # beyond the last point: the fitted line
             else:
                 out.append(ys[i - 1] + (n - ts[i - 1]) / (ts[i] - ts[i - 1]) * (ys[i] - ys[i - 1]))
         return out
+
+    def _tail_slope(self) -> float:
+        """Slope of the least-squares line through all points (>= 0): how cost_ms extrapolates."""
+        ts, ys = self.tokens, self._fitted_ms
+        mt = sum(ts) / len(ts)
+        my = sum(ys) / len(ys)
+        var = sum((t - mt) ** 2 for t in ts)
+        return max(0.0, sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var) if var else 0.0
 
     def dense_ms(self, max_tokens: int) -> list[float]:
         """cost_ms(t) for t = 0..max_tokens (a lookup table for planner_torch.budget_plan_device)."""

@@ -452,6 +452,8 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     gate.observe(8, False, 8, 5.0)  # its own plain rate: 0.2 per request (the neighbour's: 0.1)
     assert 8 not in gate.inherited
     assert gate.rate[(8, False)] == pytest.approx(0.2) and gate.rate[(8, True)] == pytest.approx(0.15)
+    # only from an adjacent bucket: batch size 1 measures its own sides (speculation first)
+    assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
 
 def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
@@ -533,7 +535,9 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
         policy.observe_outcome(1, True, 3, step_ms=12.0, forward_ms=5.0)  # 7 ms beyond the forward
         policy.observe_outcome(1, False, 1, step_ms=5.0, forward_ms=4.5)  # plain steps teach nothing here
     assert policy.step_overhead_ms(1) == pytest.approx(7.0, rel=0.02)
-    assert policy.step_overhead_ms(3) == policy.step_overhead_ms(1)  # the nearest bucket measured
+    policy.observe_outcome(16, True, 40, step_ms=30.0, forward_ms=20.0)  # bucket 16: 10 ms beyond the forward
+    assert policy.step_overhead_ms(2) == policy.step_overhead_ms(1)  # the nearest bucket measured
+    assert policy.step_overhead_ms(12) == pytest.approx(10.0)
     long = policy._plan_hybridspec(survival, [8], [1], [100])
     assert long[0] > short[0], (short, long)
 
@@ -548,7 +552,7 @@ def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     sizes it has not run."""
     from scheduler.latency_model import ModelTokenCost
     from workers.config import ModelConfig
-    from workers.policy import LengthPolicy, StepObservation
+    from workers.policy import LengthPolicy, SlopeFloor, StepObservation
 
     cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -559,8 +563,16 @@ def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     for t, ms in ((2, 5.0), (10, 9.0), (18, 9.5)):  # a step function of the token count at 2 requests
         policy.observe_profile(StepObservation([t // 2] * 2, [10, 10], ms, None), None)
     cost = policy.step_cost([1, 1], [10, 10], 20)
-    assert isinstance(cost, TokenCostTable) and cost.cost_ms(10) == pytest.approx(9.0)
+    assert isinstance(cost, SlopeFloor) and cost.cost_ms(10) == pytest.approx(9.0)
+    # flatter than the model's ms_per_token (0.1) between 10 and 18 tokens: the floor holds the slope
+    assert cost.cost_ms(18) == pytest.approx(9.8) and cost.costs_ms(2, 18)[-1] == pytest.approx(9.8)
     assert isinstance(policy.step_cost([1] * 4, [10] * 4, 40), ModelTokenCost)  # bucket 4: nothing measured
+    # a prefill chunk (no context yet, or longer than a verification block) is no sample of a verification step
+    policy.observe(None, StepObservation([600, 1], [0, 30], 40.0, None), None)
+    policy.observe(None, StepObservation([300, 1], [300, 30], 30.0, None), None)
+    assert policy.bucket_costs[2].tokens == [2, 10, 18]
+    policy.observe(None, StepObservation([5, 1], [300, 30], 7.0, None), None)  # a verification step is
+    assert policy.bucket_costs[2].tokens == [2, 6, 10, 18]
     budget = LengthPolicy("budget", cfg, max_verify_len=8)
     budget.observe_profile(StepObservation([1, 1], [10, 10], 5.0, None), None)
     assert not budget.bucket_costs  # only hybridspec keeps them

@@ -34,6 +34,25 @@ EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 
 
+@dataclass(frozen=True)
+class SlopeFloor:
+    """A token-count cost whose increments are at least `floor` ms a token (cost_ms / costs_ms as TokenCostTable)."""
+
+    table: TokenCostTable
+    floor: float
+
+    def costs_ms(self, lo: int, hi: int) -> list[float]:
+        out = self.table.costs_ms(lo, hi)
+        for i in range(1, len(out)):
+            out[i] = max(out[i], out[i - 1] + self.floor)
+        return out
+
+    def cost_ms(self, num_tokens: float) -> float:
+        n = int(num_tokens)
+        lo = min(self.table.tokens[0], n) if self.table.tokens else n
+        return self.costs_ms(lo, n)[-1]
+
+
 class SpeculationGate:
     """hybridspec speculates only where it pays, measured on whole steps (drafting, verification, acceptance and
     commit included, which the latency model's forward times leave out): per batch-size bucket an EWMA of output
@@ -45,11 +64,14 @@ class SpeculationGate:
 
     Two rules keep the exploration cheap (bench/NOTES.md: short runs and the buckets met as requests finish paid
     three plain steps each, and a plain probe every 16 steps cost ~3% where speculation wins 3x):
-    - no plain step, first samples or probe, where the speculative rate beats `plain_hint` (the latency model's
-      forward-only prediction of a plain step: an optimistic plain rate) by HINT_MARGIN;
-    - a bucket met for the first time starts from the nearest measured bucket's verdict (its two rates, counted
+    - plain decoding is not explored where the speculative rate beats `plain_hint` (the latency model's
+      forward-only prediction of a plain step: an optimistic plain rate) by HINT_MARGIN, and once both sides are
+      measured such a bucket probes plain only every FAR_PROBE x PROBE-th step (the speculative rate counts
+      expected tokens, so the probes stay: they catch an optimistic calibration);
+    - a bucket met for the first time starts from an adjacent measured bucket's verdict (its two rates, counted
       as measured); its first own sample of either side rescales the other side by the same factor, so the
-      ratio between the sides carries over, not the neighbour's per-request scale."""
+      ratio between the sides carries over, not the neighbour's per-request scale. Far-probe spacing waits until
+      the bucket has measured both sides itself."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
 
@@ -60,6 +82,7 @@ class SpeculationGate:
         self.samples: dict[tuple[int, bool], int] = {}
         self.asked: dict[int, int] = {}
         self.inherited: set[int] = set()  # buckets whose rates are a neighbour's, not yet sampled themselves
+        self.own: dict[tuple[int, bool], int] = {}  # samples measured in the bucket itself (not inherited)
         self.decisions = [0, 0]  # steps decided plain, speculative
 
     @staticmethod
@@ -72,7 +95,8 @@ class SpeculationGate:
     def _inherit(self, b: int) -> None:
         if (b, True) in self.samples or (b, False) in self.samples:
             return
-        known = [x for x in {k for k, _ in self.samples} if self._measured(x)]
+        known = [x for x in {k for k, _ in self.samples}
+                 if self._measured(x) and abs(x.bit_length() - b.bit_length()) <= 1]  # adjacent buckets only
         if not known:
             return
         near = min(known, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
@@ -86,17 +110,18 @@ class SpeculationGate:
         b = self.bucket(batch_size)
         self._inherit(b)
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
+        ahead = plain_hint is not None and spec_n > 0 and self.rate[(b, True)] > self.HINT_MARGIN * plain_hint
         if spec_n < self.MIN_SAMPLES:
             draft = True
-        elif plain_hint is not None and self.rate[(b, True)] > self.HINT_MARGIN * plain_hint:
-            draft = True  # clearly ahead of even an optimistic plain step: no plain step can win, none is tried
         elif plain_n < self.MIN_SAMPLES:
-            draft = False
+            draft = ahead  # clearly ahead of even an optimistic plain step: plain decoding is not explored
         else:
             self.asked[b] = self.asked.get(b, 0) + 1
             spec, plain = self.rate[(b, True)], self.rate[(b, False)]
             spec_wins = spec >= plain
-            far = min(spec, plain) < self.FAR * max(spec, plain)  # a clear loser is probed FAR_PROBE times less
+            # a clear loser is probed FAR_PROBE times less often, once this bucket has measured both sides itself
+            far = (min(spec, plain) < self.FAR * max(spec, plain) or (spec_wins and ahead)) and \
+                b not in self.inherited and all(self.own.get((b, side), 0) for side in (True, False))
             draft = spec_wins != (self.asked[b] % (self.PROBE * (self.FAR_PROBE if far else 1)) == 0)
         self.decisions[draft] += 1
         return draft
@@ -115,6 +140,7 @@ class SpeculationGate:
         else:
             self.rate[key] = r if key not in self.rate else (1 - self.ALPHA) * self.rate[key] + self.ALPHA * r
         self.samples[key] = self.samples.get(key, 0) + 1
+        self.own[key] = self.own.get(key, 0) + 1
 
     def speculative_share(self) -> float:
         return self.decisions[1] / max(1, sum(self.decisions))
@@ -227,15 +253,18 @@ class LengthPolicy:
             return budget_plan(survival, caps, self.token_costs, sum(tokens)).lengths
         return self._plan_hybridspec(survival, caps, tokens, contexts)
 
-    def step_cost(self, tokens: list[int], contexts: list[int], max_tokens: int) -> TokenCostTable | ModelTokenCost:
+    def step_cost(self, tokens: list[int], contexts: list[int], max_tokens: int) -> "SlopeFloor | ModelTokenCost":
         """hybridspec's forward cost of this batch as a function of the step's token count: what it measured at
         this batch-size bucket (start-up profile and served steps) where it has two token counts or more, else
         the latency model (tokens, distinct experts, requests, context). The linear model misses the steps of
         the graphs' token buckets and kernel variants: planning on it alone chose 30-60% shorter or longer blocks
-        than the measured costs justify (bench/NOTES.md, e2e runs 3-4 of 2026-11-30)."""
+        than the measured costs justify (bench/NOTES.md, e2e runs 3-4 of 2026-11-30). A measured table's cost
+        rises by at least the model's ms_per_token a token (SlopeFloor): points that are no longer refreshed
+        can flatten it, and a flat cost would make every draft look free."""
         table = self.bucket_costs.get(SpeculationGate.bucket(len(tokens)))
         if table is not None and len(table.tokens) >= 2:
-            return table
+            floor = self.latency.coefs.ms_per_token if self.latency.coefs is not None else 0.0
+            return SlopeFloor(table, floor)
         base = StepComposition(tokens, contexts, self.num_moe_layers)
         return self.latency.token_cost(base, self._distinct_upto(max_tokens))
 
@@ -268,6 +297,7 @@ class LengthPolicy:
         if self._last_plan is None or not candidates:
             return set(candidates)
         survival, cost, plan, base_tokens = self._last_plan
+        candidates = [i for i in candidates if lengths[i] < len(survival[i])]  # a draft the plan could price
         self._last_plan = None
         total = base_tokens + sum(lengths)
         marginal = self._dense_token_ms(cost, total)
@@ -276,11 +306,12 @@ class LengthPolicy:
         return {i for i in candidates
                 if p_keep * survival[i][lengths[i]] * plan.step_ms > marginal * plan.expected_tokens}
 
-    def _dense_token_ms(self, cost: TokenCostTable | ModelTokenCost, total: int) -> float:
+    def _dense_token_ms(self, cost: "SlopeFloor | ModelTokenCost", total: int) -> float:
         """ms of one more token at this step's token count without new experts: the cost's measured slope less
         the latency model's expert part of it, at least the model's ms_per_token."""
         coefs = self.latency.coefs
-        slope = cost.cost_ms(total + 1) - cost.cost_ms(total)
+        pair = cost.costs_ms(total, total + 1)
+        slope = pair[1] - pair[0]
         if coefs is None:
             return max(slope, 1e-9)
         d = self._distinct_upto(total + 1)
@@ -329,12 +360,15 @@ class LengthPolicy:
             self.latency.anchor(comp, obs.forward_ms)
         else:
             self.latency.observe(comp, obs.forward_ms)
-        if self.name == "hybridspec":  # its measured cost per batch-size bucket (step_cost)
+        verify_step = all(c > 0 for c in obs.context_lens) and \
+            all(t <= self.max_verify_len + 2 for t in obs.tokens_per_request)  # the steps the plans are for
+        if self.name == "hybridspec" and (anchor or verify_step):  # its measured cost per batch-size bucket
             table = self.bucket_costs.setdefault(SpeculationGate.bucket(comp.num_requests), TokenCostTable())
             table.observe(comp.num_tokens, obs.forward_ms)
         if not self.latency.fitted and self.latency.num_samples >= self.latency.min_samples:
             self.latency.fit()
-        self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
+        if anchor or verify_step:  # a prefill chunk (eager when graphs are off, CPU, EP) is another kind of step
+            self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
