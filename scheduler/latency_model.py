@@ -254,13 +254,6 @@ class LatencyModel:
         return ModelTokenCost(fixed, c.ms_per_token, c.ms_per_expert if base.num_moe_layers else 0.0,
                               distinct_total)
 
-    def plan_cost(self, base: StepComposition, draft_ms: float = 0.0) -> PlanCost:
-        """The model linearized for the planner: base = the step with every L_i = 0 (its experts estimated),
-        plus the marginal ms of a verified token and of a distinct expert."""
-        if self.coefs is None:
-            raise RuntimeError("latency model is not fitted: run a start-up profile (fit) or pass coefs")
-        return PlanCost(self.predict(base) + draft_ms, self.coefs.ms_per_token, self.coefs.ms_per_expert)
-
     def observe(self, comp: StepComposition, measured_ms: float) -> None:
         """Online refinement from one measured step (observed expert counts preferred)."""
         x = self.features(comp)

@@ -3,9 +3,11 @@
 - `ar`: never verify drafts.   - `fixed`: verify min(K, cap_i) drafts.
 - `budget`: vLLM-style adaptive verification: one batch-wide token budget from survival scores and a cost table
   indexed by token count only.
-- `hybridspec`: lengths chosen jointly under the batch latency model (tokens, distinct experts, requests,
-  context), plus one extra token per request up to the first MoE router, kept only where its experts are
-  already covered (router correction, workers/model.py MoEContext).
+- `hybridspec`: lengths chosen jointly for the goodput of the whole step: forward costs measured per batch-size
+  bucket and token count (the batch latency model, with tokens, distinct experts, requests and context, where
+  none are measured) plus the measured overhead of a drafted step; one extra token per request up to the first
+  MoE router where its measured keep rate pays, kept only where its experts are already covered (router
+  correction, workers/model.py MoEContext); a speculation gate (SpeculationGate).
 Survival comes from the drafter's confidences through the online calibrator. Until the latency model has
 seen enough steps it explores with `fixed` lengths (an online start-up profile).
 """
@@ -286,10 +288,10 @@ class LengthPolicy:
     def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:
         """Requests that get the router correction's extra token (the draft after their L_i, sent to the first
         MoE router and kept only if the batch covers its experts). The rule: send it where its expected gain,
-        P(kept) x survival of that draft, per ms of one more token without new experts (the latency model's
-        ms_per_token: a dropped token costs no expert work, a kept one touches only covered experts) beats the
-        plan's goodput (expected tokens per ms of the whole step); the plan itself left that draft out because
-        its expert cost was too high. P(kept) is measured per batch-size bucket
+        P(kept) x survival of that draft, per ms of one more token without new experts (the cost's slope at this
+        step less the latency model's expert part of it, at least ms_per_token: a dropped token costs no expert
+        work, a kept one touches only covered experts) beats the plan's goodput (expected tokens per ms of the
+        whole step); the plan left that draft out at its full cost. P(kept) is measured per batch-size bucket
         (optimistic at first, so it gets measured). Small batches rarely cover a token's experts: there the extra
         token would cost a row of every dense layer for nothing. Without a plan of this step: every request
         with L_i < cap_i."""
