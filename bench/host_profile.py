@@ -1,0 +1,121 @@
+"""Where the host time of a speculative step goes, per policy (issue 7), one command on the H200:
+    PYTHONPATH=. python bench/host_profile.py --layers 40 --concurrency 64 --acceptance 0.85 --out $OUT
+Serves one e2e cell (bench/e2e.py's loop: scheduler + ModelRunner, replay drafter with the DFlash-shaped cost,
+CUDA graphs, the start-up profile and a warm-up run first) once per policy under cProfile, and writes per policy
+the median step ms, the mean ms per step of the runner's parts (drafting, planning, the forward, acceptance,
+commit, the policy's learning) and the top functions by cumulative time to `$OUT/host_profile.json` / `.txt`.
+Made to find why hybridspec's whole step was ~4 ms longer than budget's beyond equal forwards at c=64
+(bench/NOTES.md, 2026-11-30). `--tiny` runs the plumbing on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import drafter_model, git_commit, serve, tiny_config  # noqa: E402
+from workers.bench_model import build_bench_model  # noqa: E402
+from workers.cache import ModelCache  # noqa: E402
+from workers.drafters import DraftModelDrafter, ReplayDrafter  # noqa: E402
+from workers.runner import ModelRunner  # noqa: E402
+
+# the runner's parts: (label, the function's file suffix and name as pstats keys them)
+PARTS = (("execute (whole step)", "workers/runner.py", "execute"),
+         ("draft: propose", "workers/drafters.py", "propose"),
+         ("gate: should_draft", "workers/policy.py", "should_draft"),
+         ("plan: lengths", "workers/policy.py", "lengths"),
+         ("plan: extra_tokens", "workers/policy.py", "extra_tokens"),
+         ("forward: graphs.run", "workers/graphs.py", "run"),
+         ("accept", "workers/acceptance.py", "accept"),
+         ("commit: graphs.commit", "workers/graphs.py", "commit"),
+         ("learn: policy.observe", "workers/policy.py", "observe"),
+         ("learn: observe_outcome", "workers/policy.py", "observe_outcome"))
+
+
+def part_ms(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    """Cumulative ms per step of each PARTS entry (summed over same-named functions of that file)."""
+    out = {}
+    for label, path, name in PARTS:
+        total = sum(v[3] for (f, _, fn), v in stats.stats.items() if f.endswith(path) and fn == name)
+        out[label] = total * 1e3 / max(1, steps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--acceptance", type=float, default=0.85)
+    ap.add_argument("--policies", default="budget,hybridspec")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    target = build_bench_model(config=tiny_config(), dtype=dtype, device=device, decisive=True) if args.tiny else \
+        build_bench_model(num_layers=args.layers, routing="zipf", dtype=dtype, device=device, decisive=True)
+    cfg, page_size, conc = target.config, 16, args.concurrency
+    pages_per_req = -(-(args.prompt_len + args.max_new + 20) // page_size)
+    num_pages = conc * pages_per_req
+    cache = ModelCache(cfg, num_pages + 1, page_size, conc + 1, dtype, device)
+    drafter_cost = DraftModelDrafter(drafter_model(cfg, 2, dtype, device), num_pages, page_size, conc)
+    runner = ModelRunner(target, cache)
+    why = runner.enable_graphs(conc, pages_per_req, warm=False, capture=device == "cuda")
+    assert why is None, why
+    drafter_cost.enable_graphs(conc, pages_per_req, 17, capture=device == "cuda")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(conc)]
+    runner.drafter = None
+    serve(runner, prompts, 16, 0, page_size, num_pages, "ar")  # warm-up
+    ar = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar")
+    report, text = {"commit": git_commit(), "device": device, "concurrency": conc, "acceptance": args.acceptance,
+                    "policies": {}}, []
+    for policy in args.policies.split(","):
+        replay = ReplayDrafter(args.acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost)
+        for p, cont in zip(prompts, ar.tokens):
+            replay.set_reference(p, cont + [0] * 20)
+        runner.drafter = replay
+        runner.set_policy(policy if not policy.startswith("fixed") else "fixed",
+                          int(policy[5:]) if policy.startswith("fixed") else 16)
+        if policy in ("budget", "hybridspec"):
+            runner.profile(conc)
+        serve(runner, prompts, 32, 16, page_size, num_pages, policy, keep_policy=True)  # warm-up
+        prof = cProfile.Profile()
+        prof.enable()
+        res = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
+        prof.disable()
+        stats = pstats.Stats(prof)
+        parts = part_ms(stats, res.steps)
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(args.top)
+        report["policies"][policy] = {"steps": res.steps, "step_ms_median": statistics.median(res.step_ms),
+                                      "parts_ms_per_step": parts, "tokens_match_ar": res.tokens == ar.tokens}
+        text.append(f"== {policy}: {res.steps} steps, median step {statistics.median(res.step_ms):.2f} ms "
+                    "(under cProfile)")
+        text.extend(f"   {ms:8.2f} ms/step  {label}" for label, ms in parts.items())
+        text.append(buf.getvalue())
+        print("\n".join(text[-len(parts) - 2:-1]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host_profile.json").write_text(json.dumps(report, indent=1))
+    (out / "host_profile.txt").write_text("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
