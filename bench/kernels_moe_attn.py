@@ -192,12 +192,6 @@ def moe_time(wts: MoeWeights, n: int, routing: str, config=None, grouped=False, 
     row["floor_us"] = row["experts"] * EXPERT_BYTES / BW * 1e6
     row["triton_us"] = graph_time([ours(i) for i in range(reps)])
     row["x_floor"] = row["triton_us"] / row["floor_us"]
-    if n * TOPK <= 32 and not (config or {}).get("gemv"):  # the opt-in GEMV path (kernels/moe_triton.py) beside it
-        def gemv(i):
-            return lambda: fused_moe_triton(xs[i % layers], wts.gu[i % layers], wts.dn[i % layers], w, ids, mask,
-                                            {**(config or {}), "gemv": True})
-        row["gemv_us"] = graph_time([gemv(i) for i in range(reps)])
-        row["gemv_x_floor"] = row["gemv_us"] / row["floor_us"]
     if grouped and hasattr(torch, "_grouped_mm"):
         def base(i):
             return lambda: grouped_mm_moe(xs[i % layers], wts.gu[i % layers], wts.dn[i % layers], w, ids)
@@ -576,7 +570,7 @@ def main() -> None:
                 r = moe_time(wts, n, routing, grouped=True)
                 r["block_m"] = moe_block_m(n, TOPK, E)
                 rows.append(r)
-                log(f"moe {routing} N={n}: {r['triton_us']:.1f} us (GEMV path {r.get('gemv_us', float('nan')):.1f}), "
+                log(f"moe {routing} N={n}: {r['triton_us']:.1f} us, "
                     f"floor {r['floor_us']:.1f} ({r['x_floor']:.2f}x), "
                     f"grouped_mm eager {r.get('grouped_mm_eager_us', float('nan')):.1f} graph "
                     f"{r.get('grouped_mm_graph_us', float('nan')):.1f}")

@@ -25,8 +25,6 @@ the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles f
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -407,125 +405,6 @@ def _moe_reduce_kernel(
     tl.store(out_ptr + tok * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 5. GEMV path for a handful of assignments (decode at small batch): one program per (assignment, column block),
-#    no grouping, no 16-row tiles of which one row is real; weights streamed with wide loads and reduced in fp32.
-#    Opt-in (GEMV_MAX_NK / config "gemv") until measured on the GPU: bench/NOTES_moe_attn.md's lead for N <= 4.
-# ---------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _gemv_tile(w_ptr, ids_ptr, a, N_OUT, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's output columns n [BN] (< N_OUT), the K offsets [BK] and its expert's weight tile pointers."""
-    expert = tl.load(ids_ptr + a).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    return n, n < N_OUT, k, w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-
-
-@triton.jit(do_not_specialize=["NK"])
-def _moe_gemv_gate_up_kernel(
-    x_ptr,  # [N, H]
-    w_ptr,  # [E, 2I, H]
-    h_ptr,  # [NK, I] out: silu(gate) * up of each assignment
-    ids_ptr,  # [NK] expert of each assignment
-    mask_ptr,  # [N] int8 or a dummy
-    NK,
-    H,
-    I,
-    stride_xn,
-    stride_we,
-    stride_wn,
-    TOP_K: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    a = tl.program_id(0).to(tl.int64)
-    tok = a // TOP_K
-    if HAS_MASK:
-        if tl.load(mask_ptr + tok) == 0:  # a masked token: no expert work (its rows are never read)
-            return
-    n, nmask, k, wg_ptrs = _gemv_tile(w_ptr, ids_ptr, a, I, stride_we, stride_wn, BLOCK_N, BLOCK_K)
-    wu_ptrs = wg_ptrs + I * stride_wn
-    acc_g = tl.zeros([BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kmask = (k0 + k) < H
-        xv = tl.load(x_ptr + tok * stride_xn + k0 + k, mask=kmask, other=0.0).to(tl.float32)
-        wg = tl.load(wg_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        wu = tl.load(wu_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * xv[None, :], axis=1)
-        acc_u += tl.sum(wu * xv[None, :], axis=1)
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
-    hval = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + a * I + n, hval.to(h_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit(do_not_specialize=["NK"])
-def _moe_gemv_down_kernel(
-    h_ptr,  # [NK, I]
-    w_ptr,  # [E, H, I]
-    y_ptr,  # [NK, H] out: routing weight * down(h) of each assignment
-    rw_ptr,  # [NK] routing weights
-    ids_ptr,  # [NK]
-    mask_ptr,  # [N] int8 or a dummy
-    NK,
-    H,
-    I,
-    stride_we,
-    stride_wn,
-    TOP_K: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    a = tl.program_id(0).to(tl.int64)
-    if HAS_MASK:
-        if tl.load(mask_ptr + a // TOP_K) == 0:
-            return
-    n, nmask, k, w_ptrs = _gemv_tile(w_ptr, ids_ptr, a, H, stride_we, stride_wn, BLOCK_N, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        kmask = (k0 + k) < I
-        hv = tl.load(h_ptr + a * I + k0 + k, mask=kmask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * hv[None, :], axis=1)
-        w_ptrs += BLOCK_K
-    acc = acc * tl.load(rw_ptr + a).to(tl.float32)
-    tl.store(y_ptr + a * H + n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
-
-
-# assignments up to which fused_moe_triton takes the GEMV path by default: 0 (opt-in) until measured; set
-# HYBRIDSPEC_MOE_GEMV_MAX_NK=32 to measure it in the engine (bench/step_profile.py, bench/e2e.py)
-GEMV_MAX_NK = int(os.environ.get("HYBRIDSPEC_MOE_GEMV_MAX_NK", "0"))
-GEMV_TILES = {"gate_up": (16, 256, 4), "down": (32, 128, 4)}  # (BLOCK_N, BLOCK_K, num_warps), not tuned yet
-
-
-def _fused_moe_gemv(x: Tensor, w_gate_up: Tensor, w_down: Tensor, rw: Tensor, ids: Tensor, mask: Tensor | None,
-                    out: Tensor, top_k: int, tiles: dict | None = None) -> Tensor:
-    """The GEMV path of fused_moe_triton: ids, rw [NK] flat; mask int8 [N] or None; out [N, H] written."""
-    tiles = tiles or GEMV_TILES
-    nk = ids.numel()
-    num_tokens, hidden = out.shape
-    inter = w_down.shape[2]
-    has_mask = mask is not None
-    m = mask if has_mask else ids
-    h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiles["gate_up"]
-    _moe_gemv_gate_up_kernel[(nk, triton.cdiv(inter, bn))](
-        x, w_gate_up, h, ids, m, nk, hidden, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        TOP_K=top_k, HAS_MASK=has_mask, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden)), num_warps=warps)
-    y = torch.empty(nk, hidden, dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiles["down"]
-    _moe_gemv_down_kernel[(nk, triton.cdiv(hidden, bn))](
-        h, w_down, y, rw, ids, m, nk, hidden, inter, w_down.stride(0), w_down.stride(1),
-        TOP_K=top_k, HAS_MASK=has_mask, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(inter)), num_warps=warps)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y, m, out, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h, num_warps=4)
-    return out
-
-
 def moe_align_triton(
     flat_ids: Tensor,  # [N*k] expert of each assignment (token n's j-th expert at n*k + j)
     token_mask: Tensor | None,  # [N] bool or None
@@ -625,8 +504,7 @@ def fused_moe_triton(
     topk_weights: Tensor,  # [N, k]
     topk_ids: Tensor,  # [N, k] int64
     token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
-    config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce",
-    #                               "gemv": the GEMV path (default: nk <= GEMV_MAX_NK), "gemv_tiles"}
+    config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
 ) -> Tensor:
     """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
 
@@ -645,9 +523,6 @@ def fused_moe_triton(
     rw = topk_weights.reshape(-1).contiguous()  # [NK]
     nk = ids.numel()
     cfg = dict(config or {})
-    if cfg.get("gemv", nk <= GEMV_MAX_NK):
-        return _fused_moe_gemv(x, w_gate_up, w_down, rw, ids, _mask_i8(token_mask) if token_mask is not None
-                               else None, out, top_k, cfg.get("gemv_tiles"))
     block_m = cfg.get("block_m") or moe_block_m(num_tokens, top_k, num_experts)
     tiles = {**MOE_CONFIGS[block_m if block_m in MOE_CONFIGS else 64], **cfg}
     fuse_align = cfg.get("fuse_align", nk <= FUSE_ALIGN_MAX_NK)

@@ -26,7 +26,6 @@ CASES = [
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
     "moe_plain", "moe_mask", "moe_one_token", "moe_block32", "moe_all_masked", "moe_hot_expert",
     "moe_unfused", "moe_mask_unfused", "moe_hot_unfused", "moe_align_fused_reduce_separate", "moe_counters_reset",
-    "moe_gemv", "moe_gemv_mask_small_tiles", "moe_gemv_one_token_small_tiles",
     "write_kv",
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
@@ -197,12 +196,6 @@ def _checks() -> dict:
         return max(errs)
 
     checks["moe_counters_reset"] = counters_case
-    # the GEMV path for a handful of assignments (opt-in): default tiles, and small tiles that loop over K and
-    # split the columns into several blocks
-    small = {"gemv": True, "gemv_tiles": {"gate_up": (4, 8, 1), "down": (8, 4, 1)}}
-    checks["moe_gemv"] = lambda: moe_case(4, None, config={"gemv": True})
-    checks["moe_gemv_mask_small_tiles"] = lambda: moe_case(5, mask13[:5], config=small)
-    checks["moe_gemv_one_token_small_tiles"] = lambda: moe_case(1, None, config=small)
 
     # ---- paged KV: B=3, q lens {1, 5, 17}, context lens {0, 7, 30}, page size 4, shuffled pages, GQA 2
     HQ, HKV, D, PS = 4, 2, 32, 4
