@@ -258,7 +258,7 @@ class LatencyModel:
         """Online refinement from one measured step (observed expert counts preferred)."""
         x = self.features(comp)
         if self.coefs is not None:
-            self.errors.append((sum(c * v for c, v in zip(self.coefs.as_list(), x)), float(measured_ms)))
+            self.errors.append((self.predict_features(x), float(measured_ms)))
         self.samples.append((x, float(measured_ms)))
         self._since_fit += 1
         if self.num_samples >= self.min_samples and (self.coefs is None or self._since_fit >= self.refit_every):
@@ -554,7 +554,7 @@ class TokenCostTable:
     def costs_ms(self, lo: int, hi: int) -> list[float]:
         """[cost_ms(n) for n in lo..hi], walking the table once (the budget search reads every one of them)."""
         ts, ys = self.tokens, self._fitted_ms
-        if len(ts) <= 1 or not ts:
+        if len(ts) <= 1:
             return [self.cost_ms(n) for n in range(lo, hi + 1)]
         slope = self._tail_slope()
         out, i = [], bisect.bisect_left(ts, lo)

@@ -139,15 +139,14 @@ def plan_with_experts_device(survival: Tensor, caps: Tensor, fixed_ms: float | T
                              ms_per_expert: float | Tensor, touch_probs: Tensor, base_tokens: Tensor,
                              footprint_probs: Tensor | None = None, locality: float | Tensor = 0.0,
                              iterations: int = 2, base_gain: float | Tensor | None = None,
-                             extra_base_tokens: int | Tensor = 0, from_zero: bool = True) -> Tensor:
+                             extra_base_tokens: int | Tensor = 0) -> Tensor:
     """planner.plan_with_experts on device: lengths [B] (int64), no host sync (fixed iteration counts).
 
     fixed_ms: the predicted step ms with every L_i = 0 minus its expert term (const + tokens + requests +
     context terms, plus drafting time if counted); base_tokens [B]: tokens each request runs with L_i = 0.
     Same candidates in the same order as the host: uniform min(k, cap_i) for k = 0..K, then the linearization
     iterates from L = 0 and from L = caps; the best under the full coverage model wins (ties: the earlier).
-    Cost: 2 * iterations passes over [B, layers, E, K] plus 2 * iterations plan_device calls (`from_zero=False`:
-    only the start from L = caps, half of that; serving runs one iteration from both starts, see workers/policy.py).
+    Cost: 2 * iterations passes over [B, layers, E, K] plus 2 * iterations plan_device calls.
     Give touch_probs in float64 for exact agreement with the host; float32 is fine in serving.
     """
     B, K = survival.shape
@@ -183,7 +182,7 @@ def plan_with_experts_device(survival: Tensor, caps: Tensor, fixed_ms: float | T
         best[:] = [torch.where(better, lengths, best[0]), torch.where(better, gain, best[1]),
                    torch.where(better, step_ms, best[2])]
 
-    for start in ((torch.zeros(B, dtype=torch.long, device=dev), caps) if from_zero else (caps,)):
+    for start in (torch.zeros(B, dtype=torch.long, device=dev), caps):
         lengths = start
         inc, experts = _increments(probs, logs, extra_log, base_tokens, lengths, K)
         for it in range(iterations):

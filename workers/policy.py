@@ -55,6 +55,11 @@ class SlopeFloor:
         return self.costs_ms(lo, n)[-1]
 
 
+def nearest_bucket(buckets, b: int) -> int:
+    """Of the batch-size buckets (powers of two) given, the one closest to b (in doublings; ties: the smaller)."""
+    return min(buckets, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
+
+
 class SpeculationGate:
     """hybridspec speculates only where it pays, measured on whole steps (drafting, verification, acceptance and
     commit included, which the latency model's forward times leave out): per batch-size bucket an EWMA of output
@@ -101,7 +106,7 @@ class SpeculationGate:
                  if self._measured(x) and abs(x.bit_length() - b.bit_length()) <= 1]  # adjacent buckets only
         if not known:
             return
-        near = min(known, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
+        near = nearest_bucket(known, b)
         for side in (True, False):
             self.rate[(b, side)] = self.rate[(near, side)]
             self.samples[(b, side)] = self.MIN_SAMPLES
@@ -123,7 +128,7 @@ class SpeculationGate:
             spec_wins = spec >= plain
             # a clear loser is probed FAR_PROBE times less often, once this bucket has measured both sides itself
             far = (min(spec, plain) < self.FAR * max(spec, plain) or (spec_wins and ahead)) and \
-                b not in self.inherited and all(self.own.get((b, side), 0) for side in (True, False))
+                all(self.own.get((b, side), 0) for side in (True, False))
             draft = spec_wins != (self.asked[b] % (self.PROBE * (self.FAR_PROBE if far else 1)) == 0)
         self.decisions[draft] += 1
         return draft
@@ -220,9 +225,7 @@ class LengthPolicy:
         this batch size's bucket, or the nearest bucket measured; 0 before any."""
         if not self.draft_overhead_ms:
             return 0.0
-        b = SpeculationGate.bucket(batch_size)
-        near = min(self.draft_overhead_ms, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
-        return self.draft_overhead_ms[near]
+        return self.draft_overhead_ms[nearest_bucket(self.draft_overhead_ms, SpeculationGate.bucket(batch_size))]
 
     def observe_profile(self, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
         """One synthetic step of the start-up profile (ModelRunner.profile): latency model, token costs and
@@ -362,15 +365,16 @@ class LengthPolicy:
             self.latency.anchor(comp, obs.forward_ms)
         else:
             self.latency.observe(comp, obs.forward_ms)
-        verify_step = all(c > 0 for c in obs.context_lens) and \
-            all(t <= self.max_verify_len + 2 for t in obs.tokens_per_request)  # the steps the plans are for
-        if self.name == "hybridspec" and (anchor or verify_step):  # its measured cost per batch-size bucket
-            table = self.bucket_costs.setdefault(SpeculationGate.bucket(comp.num_requests), TokenCostTable())
-            table.observe(comp.num_tokens, obs.forward_ms)
         if not self.latency.fitted and self.latency.num_samples >= self.latency.min_samples:
             self.latency.fit()
-        if anchor or verify_step:  # a prefill chunk (eager when graphs are off, CPU, EP) is another kind of step
-            self.token_costs.observe(sum(obs.tokens_per_request), obs.forward_ms)
+        # the token-cost tables price the steps the plans are for: a prefill chunk (eager when graphs are off:
+        # CPU, EP) is another kind of step
+        if anchor or (all(c > 0 for c in obs.context_lens) and
+                      all(t <= self.max_verify_len + 2 for t in obs.tokens_per_request)):
+            self.token_costs.observe(comp.num_tokens, obs.forward_ms)
+            if self.name == "hybridspec":  # its measured cost per batch-size bucket (step_cost)
+                table = self.bucket_costs.setdefault(SpeculationGate.bucket(comp.num_requests), TokenCostTable())
+                table.observe(comp.num_tokens, obs.forward_ms)
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the

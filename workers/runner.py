@@ -231,7 +231,7 @@ class ModelRunner:
         moe, scratch, hidden, batch, key, captured = None, None, None, None, None, False
         learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
         graphs = self.step_graphs()
-        if graphs is not None and all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests):
+        if graphs is not None and decode_only:
             key = graphs.bucket(len(requests), starts[-1], max(len(b) for b in blocks),
                                 max(len(r.pages) for r in requests))
         captures_before = self.captures_total()
