@@ -34,14 +34,18 @@ from workers.runner import ModelRunner  # noqa: E402
 # the runner's parts: (label, the function's file suffix and name as pstats keys them)
 PARTS = (("execute (whole step)", "workers/runner.py", "execute"),
          ("draft: propose", "workers/drafters.py", "propose"),
+         ("draft: cost forward", "workers/drafters.py", "spend_forward"),
+         ("draft: commit", "workers/drafters.py", "commit"),
          ("gate: should_draft", "workers/policy.py", "should_draft"),
          ("plan: lengths", "workers/policy.py", "lengths"),
          ("plan: extra_tokens", "workers/policy.py", "extra_tokens"),
-         ("forward: graphs.run", "workers/graphs.py", "run"),
+         ("forward: graphs.run (target + drafter cost)", "workers/graphs.py", "run"),
          ("accept", "workers/acceptance.py", "accept"),
          ("commit: graphs.commit", "workers/graphs.py", "commit"),
          ("learn: policy.observe", "workers/policy.py", "observe"),
-         ("learn: observe_outcome", "workers/policy.py", "observe_outcome"))
+         ("learn: observe_outcome", "workers/policy.py", "observe_outcome"),
+         ("sync: tolist (waits for the GPU)", "~", "<method 'tolist' of 'torch._C.TensorBase' objects>"),
+         ("sync: event synchronize", "~", "<method 'synchronize' of 'torch._C._CudaEventBase' objects>"))
 
 
 def part_ms(stats: pstats.Stats, steps: int) -> dict[str, float]:
@@ -51,6 +55,20 @@ def part_ms(stats: pstats.Stats, steps: int) -> dict[str, float]:
         total = sum(v[3] for (f, _, fn), v in stats.stats.items() if f.endswith(path) and fn == name)
         out[label] = total * 1e3 / max(1, steps)
     return out
+
+
+def kernel_ms_per_step(runner: ModelRunner, prompts, page_size: int, num_pages: int, policy: str,
+                       max_new: int = 24) -> float:
+    """GPU kernel time per step (the sum of every kernel's time under torch.profiler, prefill steps included)
+    of a short serve: against the host-timed step it says how much of a step the GPU is busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        res = serve(runner, prompts, max_new, 16, page_size, num_pages, policy, keep_policy=True)
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / 1e3 / max(1, res.steps)
 
 
 def main() -> None:
@@ -96,6 +114,8 @@ def main() -> None:
         if policy in ("budget", "hybridspec"):
             runner.profile(conc)
         serve(runner, prompts, 32, 16, page_size, num_pages, policy, keep_policy=True)  # warm-up
+        plain = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
+        gpu_ms = kernel_ms_per_step(runner, prompts, page_size, num_pages, policy) if device == "cuda" else None
         prof = cProfile.Profile()
         prof.enable()
         res = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
@@ -105,9 +125,14 @@ def main() -> None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(args.top)
         report["policies"][policy] = {"steps": res.steps, "step_ms_median": statistics.median(res.step_ms),
+                                      "step_ms_median_unprofiled": statistics.median(plain.step_ms),
+                                      "step_ms_mean_unprofiled": statistics.fmean(plain.step_ms),
+                                      "gpu_kernel_ms_per_step": gpu_ms,
                                       "parts_ms_per_step": parts, "tokens_match_ar": res.tokens == ar.tokens}
         text.append(f"== {policy}: {res.steps} steps, median step {statistics.median(res.step_ms):.2f} ms "
-                    "(under cProfile)")
+                    f"under cProfile, {statistics.median(plain.step_ms):.2f} ms without "
+                    f"(mean {statistics.fmean(plain.step_ms):.2f}); GPU kernels "
+                    f"{gpu_ms if gpu_ms is None else round(gpu_ms, 2)} ms a step")
         text.extend(f"   {ms:8.2f} ms/step  {label}" for label, ms in parts.items())
         text.append(buf.getvalue())
         print("\n".join(text[-len(parts) - 2:-1]), flush=True)
