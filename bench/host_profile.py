@@ -57,20 +57,6 @@ def part_ms(stats: pstats.Stats, steps: int) -> dict[str, float]:
     return out
 
 
-def kernel_ms_per_step(runner: ModelRunner, prompts, page_size: int, num_pages: int, policy: str,
-                       max_new: int = 24) -> float:
-    """GPU kernel time per step (the sum of every kernel's time under torch.profiler, prefill steps included)
-    of a short serve: against the host-timed step it says how much of a step the GPU is busy."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        res = serve(runner, prompts, max_new, 16, page_size, num_pages, policy, keep_policy=True)
-        torch.cuda.synchronize()
-    total_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3 / max(1, res.steps)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
@@ -115,7 +101,6 @@ def main() -> None:
             runner.profile(conc)
         serve(runner, prompts, 32, 16, page_size, num_pages, policy, keep_policy=True)  # warm-up
         plain = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
-        gpu_ms = kernel_ms_per_step(runner, prompts, page_size, num_pages, policy) if device == "cuda" else None
         prof = cProfile.Profile()
         prof.enable()
         res = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
@@ -127,12 +112,10 @@ def main() -> None:
         report["policies"][policy] = {"steps": res.steps, "step_ms_median": statistics.median(res.step_ms),
                                       "step_ms_median_unprofiled": statistics.median(plain.step_ms),
                                       "step_ms_mean_unprofiled": statistics.fmean(plain.step_ms),
-                                      "gpu_kernel_ms_per_step": gpu_ms,
                                       "parts_ms_per_step": parts, "tokens_match_ar": res.tokens == ar.tokens}
         text.append(f"== {policy}: {res.steps} steps, median step {statistics.median(res.step_ms):.2f} ms "
                     f"under cProfile, {statistics.median(plain.step_ms):.2f} ms without "
-                    f"(mean {statistics.fmean(plain.step_ms):.2f}); GPU kernels "
-                    f"{gpu_ms if gpu_ms is None else round(gpu_ms, 2)} ms a step")
+                    f"(mean {statistics.fmean(plain.step_ms):.2f}); bench/step_timeline.py: GPU vs host")
         text.extend(f"   {ms:8.2f} ms/step  {label}" for label, ms in parts.items())
         text.append(buf.getvalue())
         print("\n".join(text[-len(parts) - 2:-1]), flush=True)

@@ -1,6 +1,6 @@
 """The GPU-session bench scripts run end to end in their --tiny CPU mode (a broken script would waste device
-time): bench/host_profile.py (host time of a step's parts per policy) and bench/verify_overhead.py (hybridspec's
-verification graphs vs budget's)."""
+time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
+time per part) and bench/verify_overhead.py (hybridspec's verification graphs vs budget's)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_host_profile_tiny_reports_each_policys_parts(tmp_path):
     for name, r in report["policies"].items():
         parts = r["parts_ms_per_step"]
         assert r["tokens_match_ar"], name  # greedy speculation stays lossless under the profiler
-        assert parts["execute (whole step)"] > parts["forward: graphs.run"] > 0 and parts["plan: lengths"] > 0
+        assert parts["execute (whole step)"] > parts["forward: graphs.run (target + drafter cost)"] > 0 and parts["plan: lengths"] > 0
     assert "== hybridspec" in (tmp_path / "host_profile.txt").read_text()
 
 
@@ -36,3 +36,47 @@ def test_verify_overhead_tiny_times_both_graph_sets(tmp_path):
     for r in rows:
         assert min(r["budget"], r["hybridspec"], r["hybridspec+extra"]) > 0
         assert r["hybridspec_over_budget_ms"] == r["hybridspec"] - r["budget"]
+
+
+def test_step_timeline_tiny_labels_each_part(tmp_path):
+    run_script("step_timeline.py", "--concurrency", "2", "--prompt-len", "16", "--max-new", "8",
+               "--policies", "ar,budget,hybridspec", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "step_timeline.json").read_text())
+    assert set(report["policies"]) == {"ar", "budget", "hybridspec"}
+    for name, r in report["policies"].items():
+        assert r["tokens_match_ar"], name
+        assert r["steps"] > 0 and r["wall_ms"] > 0
+        assert r["host_ms"]["graph run"] > 0
+    for name in ("budget", "hybridspec"):
+        host = report["policies"][name]["host_ms"]
+        assert host["plan: lengths"] > 0 and host["draft: cost forward"] > 0
+    assert "draft: propose" not in report["policies"]["ar"]["host_ms"]  # ar never drafts
+
+
+def test_step_timeline_attributes_kernels_to_the_part_that_launched_them():
+    from bench.step_timeline import STEP, analyse
+
+    def note(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def launch(corr, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 1,
+                "args": {"correlation": corr}}
+
+    def kernel(corr, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    labels = ["draft: cost forward", "graph run", "plan: lengths"]
+    trace = {"traceEvents": [
+        note(STEP, 0, 10_000), note("draft: cost forward", 100, 500), note("graph run", 200, 100),
+        note("plan: lengths", 700, 1000), note("graph run", 2000, 200),
+        launch(1, 250), kernel(1, 300, 2000),  # the drafter's graph: 2 ms
+        launch(2, 2100), kernel(2, 2300, 5000),  # the target's: 5 ms, starts after the drafter's ends
+        launch(3, 20_000), kernel(3, 20_000, 1000),  # outside the step: ignored
+        note(STEP, 12_000, 1000)]}
+    out = analyse(trace, labels)
+    assert out["steps"] == 2
+    assert out["gpu_ms"] == {"draft: cost forward": 1.0, "target forward": 2.5}  # means over the two steps
+    assert abs(out["gpu_busy_ms"] - 3.5) < 1e-9  # (2 + 5) ms busy in the first step, 0 in the second
+    assert abs(out["host_ms"]["plan: lengths"] - 0.5) < 1e-9
+    assert abs(out["between_steps_ms"] - 2.0) < 1e-9

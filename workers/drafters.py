@@ -279,15 +279,21 @@ class DraftModelDrafter(Drafter):
             self.drafted.pop(rid, None)
 
     def spend_forward(self, requests: list[DraftRequest], tokens: list[list[int]]) -> None:
-        """The replay drafter's cost: one forward of each drafted block through this model, keeping no state."""
+        """The replay drafter's cost: one forward of each drafted block through this model, keeping no state, and
+        its tokens read back to the host, as a real drafter's drafts are before the step's plan (the host waits
+        for the forward; it does not plan while the drafter runs)."""
         blocks = [[r.token_ids[-1]] + t for r, t in zip(requests, tokens)]
-        if self.graphs is not None and self.graphs.step(blocks, [r.num_cached for r in requests],
-                                                        [r.pages for r in requests], [r.slot for r in requests],
-                                                        [False] * len(blocks)) is not None:
-            return
-        batch = ForwardBatch.build(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
-                                   [r.slot for r in requests], self.model.device)
-        self.model(batch, self.cache, write=False, scratch=StepScratch({}))
+        out = None
+        if self.graphs is not None:
+            out = self.graphs.step(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
+                                   [r.slot for r in requests], [False] * len(blocks))
+        if out is not None:
+            logits = out.logits
+        else:
+            batch = ForwardBatch.build(blocks, [r.num_cached for r in requests], [r.pages for r in requests],
+                                       [r.slot for r in requests], self.model.device)
+            logits = self.model(batch, self.cache, write=False, scratch=StepScratch({}))
+        logits.argmax(dim=-1).tolist()  # [rows] token ids to the host
 
     def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
         """CUDA graphs for drafting steps, rollback replays and spend_forward (the replay drafter's cost),

@@ -31,6 +31,7 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # routing statistics change slowly: a fold (host read, Python over layers x E, a new touch table for the planner)
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
 COUNTS_FOLD_EVERY = 32
+COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
 OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
@@ -200,8 +201,12 @@ class LengthPolicy:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always)."""
         if self.gate is None or not self.warm():
             return True
-        plain_ms = self.latency.predict(StepComposition([1] * len(contexts), contexts, self.num_moe_layers))
-        return self.gate.should_draft(len(contexts), 1.0 / plain_ms if plain_ms > 0 else None)  # per request
+        b = len(contexts)
+        # the model's plain step of b tokens, its expected distinct experts from the cached table (the estimator's
+        # own sum over layers x experts is ~0.3 ms of Python, every step)
+        experts = self._distinct_upto(b)[b] if self.num_moe_layers else 0.0
+        plain_ms = self.latency.predict_features([1.0, float(b), experts, float(b), float(sum(contexts))])
+        return self.gate.should_draft(b, 1.0 / plain_ms if plain_ms > 0 else None)  # per request
 
     def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float,
                         forward_ms: float | None = None) -> None:
@@ -342,7 +347,9 @@ class LengthPolicy:
         self._learn_step_time(obs)
         if drafter is not None and obs.verified:
             self.calibrator.observe_step(drafter, obs.verified)
-        if expert_counts:  # routing popularity: summed on the device, folded in every COUNTS_FOLD_EVERY steps
+        # routing popularity, sampled every COUNTS_SAMPLE_EVERY-th step: summed on the device, folded in every
+        # COUNTS_FOLD_EVERY samples
+        if expert_counts and self.steps % COUNTS_SAMPLE_EVERY == 0:
             stacked = torch.stack(expert_counts)  # [MoE layers, E] (a copy: graph outputs are overwritten)
             if self._pending_counts is None:
                 self._pending_counts, self._pending_steps = stacked, 0

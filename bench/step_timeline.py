@@ -1,0 +1,226 @@
+"""Where a served step's wall time goes, per policy (issue 7), one command on the H200:
+    PYTHONPATH=. python bench/step_timeline.py --layers 40 --concurrency 64 --acceptance 0.85 --out $OUT
+Serves one e2e cell per policy (bench/e2e.py's loop, replay drafter with the DFlash-shaped cost, CUDA graphs, the
+start-up profile and a warm-up first) under torch.profiler with the runner's parts labelled (record_function
+wrappers installed here, nothing in the engine changes), then reads the trace: per decode step its wall time, the
+time the GPU is busy inside it, the GPU time of the kernels each part launched (target forward, drafter cost
+forward, commit, the rest) and the host time of each part. What a step loses to the host is wall - busy.
+Writes `$OUT/step_timeline.json` and prints a table. `--tiny` runs the plumbing on CPU (no GPU rows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import drafter_model, git_commit, serve, tiny_config  # noqa: E402
+import workers.runner as runner_mod  # noqa: E402
+from workers.bench_model import build_bench_model  # noqa: E402
+from workers.cache import ModelCache  # noqa: E402
+from workers.drafters import DraftModelDrafter, ReplayDrafter  # noqa: E402
+from workers.graphs import StepGraphs  # noqa: E402
+from workers.policy import LengthPolicy  # noqa: E402
+from workers.runner import ModelRunner  # noqa: E402
+
+STEP, PREFILL = "step", "step (prefill or mixed)"
+# (label, owner, attribute) of the parts wrapped in record_function while profiling
+PARTS = (("draft: propose", ReplayDrafter, "propose"),
+         ("draft: cost forward", DraftModelDrafter, "spend_forward"),
+         ("gate", LengthPolicy, "should_draft"),
+         ("plan: lengths", LengthPolicy, "lengths"),
+         ("plan: extra tokens", LengthPolicy, "extra_tokens"),
+         ("graph run", StepGraphs, "run"),
+         ("graph commit", StepGraphs, "commit"),
+         ("accept", runner_mod, "accept"),
+         ("learn: observe", LengthPolicy, "observe"),
+         ("learn: outcome", LengthPolicy, "observe_outcome"))
+
+
+def _labelled(label: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _labelled_step(fn):
+    @functools.wraps(fn)
+    def wrapper(self, requests, *args, **kwargs):
+        decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)
+        with record_function(STEP if decode else PREFILL):
+            return fn(self, requests, *args, **kwargs)
+    return wrapper
+
+
+@contextlib.contextmanager
+def labelled_parts():
+    """Wraps PARTS and ModelRunner.execute in record_function for the duration."""
+    saved = [(owner, attr, getattr(owner, attr)) for _, owner, attr in PARTS]
+    saved.append((ModelRunner, "execute", ModelRunner.execute))
+    try:
+        for label, owner, attr in PARTS:
+            setattr(owner, attr, _labelled(label, getattr(owner, attr)))
+        ModelRunner.execute = _labelled_step(ModelRunner.execute)
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def _union_ms(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length (ms) of the union of [a, b) intervals (us) clipped to [lo, hi)."""
+    total, end = 0.0, lo
+    for a, b in sorted(intervals):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total / 1e3
+
+
+def analyse(trace: dict, labels: list[str]) -> dict:
+    """Per decode step (a STEP annotation): wall, GPU busy within it, GPU ms by the part that launched each kernel
+    (innermost label around its launch; a graph run inside `draft: cost forward` counts as the drafter's), host
+    ms per part. Means over the steps."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    notes = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    runtime = {e["args"]["correlation"]: e["ts"] for e in events
+               if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = sorted((e for e in notes if e["name"] == STEP), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in steps]
+
+    def step_of(ts: float) -> int:
+        i = bisect.bisect_right(starts, ts) - 1
+        return i if i >= 0 and ts <= steps[i]["ts"] + steps[i]["dur"] else -1
+
+    inside: list[list[dict]] = [[] for _ in steps]  # each step's labelled parts
+    for n in notes:
+        i = step_of(n["ts"])
+        if i >= 0 and n["name"] in labels:
+            inside[i].append(n)
+
+    def owner_label(i: int, ts: float) -> str:
+        around = [e for e in inside[i] if e["ts"] <= ts <= e["ts"] + e["dur"]]
+        if not around:
+            return "other"
+        if any(e["name"] == "draft: cost forward" for e in around):
+            return "draft: cost forward"
+        best = min(around, key=lambda e: e["dur"])["name"]
+        return "target forward" if best == "graph run" else best
+
+    per_step = [{"wall_ms": e["dur"] / 1e3, "gpu_busy_ms": 0.0, "gpu_ms": {}, "host_ms": {}} for e in steps]
+    intervals: list[list[tuple[float, float]]] = [[] for _ in steps]
+    for k in gpu:
+        launch = runtime.get(k.get("args", {}).get("correlation"), k["ts"])
+        i = step_of(launch)
+        if i < 0:
+            continue  # launched outside a decode step (prefill, the loop between steps)
+        lab = owner_label(i, launch)
+        per_step[i]["gpu_ms"][lab] = per_step[i]["gpu_ms"].get(lab, 0.0) + k["dur"] / 1e3
+        intervals[i].append((k["ts"], k["ts"] + k["dur"]))
+    for i, e in enumerate(steps):
+        per_step[i]["gpu_busy_ms"] = _union_ms(intervals[i], e["ts"], e["ts"] + e["dur"])
+    for i, parts in enumerate(inside):
+        for n in parts:
+            per_step[i]["host_ms"][n["name"]] = per_step[i]["host_ms"].get(n["name"], 0.0) + n["dur"] / 1e3
+    if not per_step:
+        return {"steps": 0}
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    keys_gpu = sorted({k for s in per_step for k in s["gpu_ms"]})
+    keys_host = sorted({k for s in per_step for k in s["host_ms"]})
+    gaps = [(steps[i + 1]["ts"] - steps[i]["ts"] - steps[i]["dur"]) / 1e3 for i in range(len(steps) - 1)]
+    return {"steps": len(per_step),
+            "wall_ms": mean([s["wall_ms"] for s in per_step]),
+            "wall_ms_median": statistics.median([s["wall_ms"] for s in per_step]),
+            "gpu_busy_ms": mean([s["gpu_busy_ms"] for s in per_step]),
+            "between_steps_ms": mean(gaps),
+            "gpu_ms": {k: mean([s["gpu_ms"].get(k, 0.0) for s in per_step]) for k in keys_gpu},
+            "host_ms": {k: mean([s["host_ms"].get(k, 0.0) for s in per_step]) for k in keys_host}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--acceptance", type=float, default=0.85)
+    ap.add_argument("--policies", default="ar,fixed4,budget,hybridspec")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    target = build_bench_model(config=tiny_config(), dtype=dtype, device=device, decisive=True) if args.tiny else \
+        build_bench_model(num_layers=args.layers, routing="zipf", dtype=dtype, device=device, decisive=True)
+    cfg, page_size, conc = target.config, 16, args.concurrency
+    pages_per_req = -(-(args.prompt_len + args.max_new + 20) // page_size)
+    num_pages = conc * pages_per_req
+    cache = ModelCache(cfg, num_pages + 1, page_size, conc + 1, dtype, device)
+    drafter_cost = DraftModelDrafter(drafter_model(cfg, 2, dtype, device), num_pages, page_size, conc)
+    runner = ModelRunner(target, cache)
+    why = runner.enable_graphs(conc, pages_per_req, warm=False, capture=device == "cuda")
+    assert why is None, why
+    drafter_cost.enable_graphs(conc, pages_per_req, 17, capture=device == "cuda")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(conc)]
+    runner.drafter = None
+    serve(runner, prompts, 16, 0, page_size, num_pages, "ar")  # warm-up
+    ar = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    labels = [p[0] for p in PARTS]
+    report = {"commit": git_commit(), "device": device, "concurrency": conc, "acceptance": args.acceptance,
+              "policies": {}}
+    for policy in args.policies.split(","):
+        k = int(policy[5:]) if policy.startswith("fixed") else 16
+        replay = ReplayDrafter(args.acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost)
+        for p, cont in zip(prompts, ar.tokens):
+            replay.set_reference(p, cont + [0] * 20)
+        runner.drafter = replay
+        runner.set_policy(policy if not policy.startswith("fixed") else "fixed", k)
+        if policy in ("budget", "hybridspec"):
+            runner.profile(conc)
+        max_draft = 0 if policy == "ar" else k
+        serve(runner, prompts, 32, max_draft, page_size, num_pages, policy, keep_policy=True)  # warm-up
+        with labelled_parts(), profile(activities=activities) as prof:
+            res = serve(runner, prompts, args.max_new, max_draft, page_size, num_pages, policy, keep_policy=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            summary = analyse(json.loads(path.read_text()), labels)
+        summary["tokens_match_ar"] = res.tokens == ar.tokens
+        summary["mean_accepted_len"] = res.accepted_tokens / res.verify_steps if res.verify_steps else 0.0
+        report["policies"][policy] = summary
+        print(f"== {policy}: {summary.get('steps')} decode steps, wall {summary.get('wall_ms', 0):.2f} ms "
+              f"(median {summary.get('wall_ms_median', 0):.2f}), GPU busy {summary.get('gpu_busy_ms', 0):.2f} ms, "
+              f"between steps {summary.get('between_steps_ms', 0):.2f} ms, accepted "
+              f"{summary['mean_accepted_len']:.2f}", flush=True)
+        for kind in ("gpu_ms", "host_ms"):
+            print(f"   {kind}: " + ", ".join(f"{lab} {ms:.2f}" for lab, ms in summary.get(kind, {}).items()),
+                  flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_timeline.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
