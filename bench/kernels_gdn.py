@@ -175,8 +175,10 @@ def checks():
     pool = make_pool(40, 4)
     s_ref, s_tri = pool.clone(), pool.clone()
     gdn_commit_ref(k, v, g, beta, cu, keep, s_ref, perm, 17)
-    gt.gdn_commit_triton(k, v, g, beta, cu, keep, s_tri, perm, 17)
-    out["commit"] = {"state": srel(s_tri, s_ref, perm)}
+    for impl in ("seq", "block"):
+        s_tri = pool.clone()
+        gt.gdn_commit_triton(k, v, g, beta, cu, keep, s_tri, perm, 17, impl=impl)
+        out[f"commit_{impl}"] = {"state": srel(s_tri, s_ref, perm)}
     # fused commit + verify
     pq, pk, pv, pg, pb, pcu = make_block(lens, 5)
     q, k, v, g, beta, cu = make_block([4, 1, 17, 16, 8, 2, 3, 1], 6)
@@ -244,7 +246,7 @@ def checks():
 # ------------------------------------------------------------------------------------------------ timings
 
 def _commit_cfg(cfg):
-    return {kk: vv for kk, vv in cfg.items() if kk in ("bv", "num_warps", "precision", "trans")}
+    return dict({kk: vv for kk, vv in cfg.items() if kk in ("bv", "num_warps", "precision", "trans")}, impl="block")
 
 
 def prepare(blk, pool, sl, t):

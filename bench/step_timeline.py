@@ -58,12 +58,18 @@ def _labelled(label: str, fn):
     return wrapper
 
 
+CAPTURED: list[bool] = []  # per decode step labelled STEP, in order: did it capture a CUDA graph first
+
+
 def _labelled_step(fn):
     @functools.wraps(fn)
     def wrapper(self, requests, *args, **kwargs):
         decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)
         with record_function(STEP if decode else PREFILL):
-            return fn(self, requests, *args, **kwargs)
+            out = fn(self, requests, *args, **kwargs)
+        if decode:
+            CAPTURED.append(bool(getattr(self, "last_step_captured", False)))
+        return out
     return wrapper
 
 
@@ -93,10 +99,11 @@ def _union_ms(intervals: list[tuple[float, float]], lo: float, hi: float) -> flo
     return total / 1e3
 
 
-def analyse(trace: dict, labels: list[str]) -> dict:
+def analyse(trace: dict, labels: list[str], skip: set[int] | None = None) -> dict:
     """Per decode step (a STEP annotation): wall, GPU busy within it, GPU ms by the part that launched each kernel
     (innermost label around its launch; a graph run inside `draft: cost forward` counts as the drafter's), host
-    ms per part. Means over the steps."""
+    ms per part. Means (and medians of wall and busy) over the steps not in `skip` (indices of STEP annotations
+    in time order: steps that captured a graph first)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     notes = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
     runtime = {e["args"]["correlation"]: e["ts"] for e in events
@@ -139,16 +146,19 @@ def analyse(trace: dict, labels: list[str]) -> dict:
     for i, parts in enumerate(inside):
         for n in parts:
             per_step[i]["host_ms"][n["name"]] = per_step[i]["host_ms"].get(n["name"], 0.0) + n["dur"] / 1e3
+    gaps = [(steps[i + 1]["ts"] - steps[i]["ts"] - steps[i]["dur"]) / 1e3 for i in range(len(steps) - 1)
+            if not skip or (i not in skip and i + 1 not in skip)]
+    per_step = [x for i, x in enumerate(per_step) if not skip or i not in skip]
     if not per_step:
         return {"steps": 0}
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
     keys_gpu = sorted({k for s in per_step for k in s["gpu_ms"]})
     keys_host = sorted({k for s in per_step for k in s["host_ms"]})
-    gaps = [(steps[i + 1]["ts"] - steps[i]["ts"] - steps[i]["dur"]) / 1e3 for i in range(len(steps) - 1)]
     return {"steps": len(per_step),
             "wall_ms": mean([s["wall_ms"] for s in per_step]),
             "wall_ms_median": statistics.median([s["wall_ms"] for s in per_step]),
             "gpu_busy_ms": mean([s["gpu_busy_ms"] for s in per_step]),
+            "gpu_busy_ms_median": statistics.median([s["gpu_busy_ms"] for s in per_step]),
             "between_steps_ms": mean(gaps),
             "gpu_ms": {k: mean([s["gpu_ms"].get(k, 0.0) for s in per_step]) for k in keys_gpu},
             "host_ms": {k: mean([s["host_ms"].get(k, 0.0) for s in per_step]) for k in keys_host}}
@@ -199,6 +209,7 @@ def main() -> None:
             runner.profile(conc)
         max_draft = 0 if policy == "ar" else k
         serve(runner, prompts, 32, max_draft, page_size, num_pages, policy, keep_policy=True)  # warm-up
+        CAPTURED.clear()
         with labelled_parts(), profile(activities=activities) as prof:
             res = serve(runner, prompts, args.max_new, max_draft, page_size, num_pages, policy, keep_policy=True)
             if device == "cuda":
@@ -206,12 +217,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(path))
-            summary = analyse(json.loads(path.read_text()), labels)
+            summary = analyse(json.loads(path.read_text()), labels, {i for i, c in enumerate(CAPTURED) if c})
+        summary["capture_steps"] = sum(CAPTURED)
         summary["tokens_match_ar"] = res.tokens == ar.tokens
         summary["mean_accepted_len"] = res.accepted_tokens / res.verify_steps if res.verify_steps else 0.0
         report["policies"][policy] = summary
-        print(f"== {policy}: {summary.get('steps')} decode steps, wall {summary.get('wall_ms', 0):.2f} ms "
-              f"(median {summary.get('wall_ms_median', 0):.2f}), GPU busy {summary.get('gpu_busy_ms', 0):.2f} ms, "
+        print(f"== {policy}: {summary.get('steps')} decode steps (+{summary['capture_steps']} capturing, left out), "
+              f"wall {summary.get('wall_ms', 0):.2f} ms (median {summary.get('wall_ms_median', 0):.2f}), GPU busy "
+              f"{summary.get('gpu_busy_ms', 0):.2f} ms (median {summary.get('gpu_busy_ms_median', 0):.2f}), "
               f"between steps {summary.get('between_steps_ms', 0):.2f} ms, accepted "
               f"{summary['mean_accepted_len']:.2f}", flush=True)
         for kind in ("gpu_ms", "host_ms"):

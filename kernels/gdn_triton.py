@@ -276,6 +276,22 @@ def _gdn_fwd_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _seq_token(S, k_ptr, v_ptr, g_ptr, b_ptr, row, hk, hv, dk, dv, kmask, vmask,
+               s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, L2NORM: tl.constexpr):
+    """One token of the gated delta rule on a [BK, BV] state tile (fp32 FMA): S <- exp(g) S, then
+    S <- S + k (beta (v - S^T k))^T with k L2-normalised."""
+    k = tl.load(k_ptr + row * s_kn + hk * s_kh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+    v = tl.load(v_ptr + row * s_vn + hv * s_vh + dv, mask=vmask, other=0.0).to(tl.float32)  # [BV]
+    g = tl.load(g_ptr + row * s_gn + hv * s_gh).to(tl.float32)
+    beta = tl.load(b_ptr + row * s_bn + hv * s_bh).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    S = S * tl.exp(g)
+    delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BV]
+    return S + k[:, None] * delta[None, :]
+
+
+@triton.jit
 def _gdn_seq_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, cu_ptr, state_desc, slots_ptr, wmask_ptr, scale,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh, s_ss, s_sh, s_sk,
@@ -298,17 +314,11 @@ def _gdn_seq_kernel(
     for t in range(0, seq_len):
         row = bos + t
         q = tl.load(q_ptr + row * s_qn + hk * s_qh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
-        k = tl.load(k_ptr + row * s_kn + hk * s_kh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
-        v = tl.load(v_ptr + row * s_vn + hv * s_vh + dv, mask=vmask, other=0.0).to(tl.float32)  # [BV]
-        g = tl.load(g_ptr + row * s_gn + hv * s_gh).to(tl.float32)
-        beta = tl.load(b_ptr + row * s_bn + hv * s_bh).to(tl.float32)
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * scale
-        S = S * tl.exp(g)
-        delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BV]
-        S = S + k[:, None] * delta[None, :]
+        S = _seq_token(S, k_ptr, v_ptr, g_ptr, b_ptr, row, hk, hv, dk, dv, kmask, vmask,
+                       s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, L2NORM)
         o = tl.sum(S * q[:, None], axis=0)  # [BV]
         tl.store(o_ptr + row * s_on + hv * s_oh + dv, o.to(o_ptr.dtype.element_ty), mask=vmask)
     if WRITE == 1:
@@ -316,6 +326,36 @@ def _gdn_seq_kernel(
     if WRITE == 2:
         if tl.load(wmask_ptr + b) != 0:
             _store_state(state_desc, s_row, v0, S, False)
+
+
+@triton.jit
+def _gdn_seq_commit_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, keep_ptr, state_desc, slots_ptr,
+    s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
+    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """The commit in the sequential form: request b's first keep[b] tokens onto its state, one at a time (work
+    in proportion to the accepted tokens, not the block); keep 0 reads and writes nothing."""
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    seq_len = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    n = tl.minimum(tl.load(keep_ptr + b).to(tl.int32), seq_len)
+    if n > 0:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        dk = tl.arange(0, BK)
+        dv = v0 + tl.arange(0, BV)
+        kmask = dk < DK
+        vmask = dv < DV
+        s_row = ((slot * HV + hv) * DK).to(tl.int32)
+        S = _load_state(state_desc, s_row, v0, False)  # [BK, BV]
+        for t in range(0, n):
+            S = _seq_token(S, k_ptr, v_ptr, g_ptr, b_ptr, bos + t, hk, hv, dk, dv, kmask, vmask,
+                           s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, L2NORM)
+        _store_state(state_desc, s_row, v0, S, False)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -471,14 +511,38 @@ def gdn_commit_triton(
     max_len: int,
     use_qk_l2norm: bool = True,
     *,
+    impl: str = "seq",
     bv: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
     precision_out: str | None = None,
     trans: bool | None = None,
 ) -> None:
-    """gdn_commit_ref in one launch for all requests; a request with keep 0 is neither read nor written."""
+    """gdn_commit_ref in one launch for all requests; a request with keep 0 is neither read nor written.
+    impl "seq" (the default): one token at a time, work in proportion to each request's kept tokens (the
+    engine's commits keep the accepted drafts + 1, a fraction of the block); "block": the WY block kernel over the
+    whole block of BT tokens whatever is kept (measured: bench/NOTES.md, 2026-11-30 second session)."""
     k, v = _rowmajor(k), _rowmajor(v)
+    if impl == "seq":
+        heads_k, dim_k = k.shape[1], k.shape[2]
+        heads_v, dim_v = v.shape[1], v.shape[2]
+        bk = max(16, triton.next_power_of_2(dim_k))
+        bvv = min(bv or SEQ_BV, triton.next_power_of_2(dim_v))
+        if slots.shape[0] == 0:
+            return
+        assert state.is_contiguous() and state.dtype == torch.float32 and dim_k == bk and dim_v % bvv == 0
+        assert heads_v % heads_k == 0 and state.shape[1:] == (heads_v, dim_k, dim_v)
+        desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bvv])
+        _gdn_seq_commit_kernel[(slots.shape[0], heads_v, triton.cdiv(dim_v, bvv))](
+            k, v, g, beta, cu_seqlens, keep_lens, desc, slots,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
+            beta.stride(1),
+            HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BK=bk, BV=bvv, L2NORM=use_qk_l2norm,
+            num_warps=num_warps or SEQ_WARPS,
+        )
+        return
+    if impl != "block":
+        raise ValueError(f"impl must be 'seq' or 'block', got {impl!r}")
     _launch(k, k, v, g, beta, None, cu_seqlens, state, slots, scale=1.0, use_qk_l2norm=use_qk_l2norm, write=1,
             wmask=slots, has_out=False, commit=True, keep=keep_lens, prev=None, bt=_block_tokens(max_len),
             single=max_len <= _block_tokens(max_len),

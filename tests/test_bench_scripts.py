@@ -25,7 +25,10 @@ def test_host_profile_tiny_reports_each_policys_parts(tmp_path):
     for name, r in report["policies"].items():
         parts = r["parts_ms_per_step"]
         assert r["tokens_match_ar"], name  # greedy speculation stays lossless under the profiler
-        assert parts["execute (whole step)"] > parts["forward: graphs.run (target + drafter cost)"] > 0 and parts["plan: lengths"] > 0
+        assert parts["execute (whole step)"] > parts["forward: graphs.run (target + drafter cost)"] > 0
+    # budget always plans; hybridspec's gate may measure plain decoding faster on a CPU and stop drafting
+    assert report["policies"]["budget"]["parts_ms_per_step"]["plan: lengths"] > 0
+    assert report["policies"]["hybridspec"]["parts_ms_per_step"]["gate: should_draft"] > 0
     assert "== hybridspec" in (tmp_path / "host_profile.txt").read_text()
 
 
@@ -47,9 +50,9 @@ def test_step_timeline_tiny_labels_each_part(tmp_path):
         assert r["tokens_match_ar"], name
         assert r["steps"] > 0 and r["wall_ms"] > 0
         assert r["host_ms"]["graph run"] > 0
-    for name in ("budget", "hybridspec"):
-        host = report["policies"][name]["host_ms"]
-        assert host["plan: lengths"] > 0 and host["draft: cost forward"] > 0
+    host = report["policies"]["budget"]["host_ms"]
+    assert host["plan: lengths"] > 0 and host["draft: cost forward"] > 0
+    assert report["policies"]["hybridspec"]["host_ms"]["gate"] > 0  # (its gate may stop drafting on a CPU)
     assert "draft: propose" not in report["policies"]["ar"]["host_ms"]  # ar never drafts
 
 

@@ -94,13 +94,14 @@ def case_commit():
     from kernels.gdn_triton import gdn_commit_triton
 
     errs = {}
-    for keep in ([0, 2, 17], [1, 3, 9], [0, 0, 0]):  # none / partial / all
-        q, k, v, g, beta, cu, state, slots = _gdn_inputs([1, 3, 17], seed=3)
-        s_ref, s_tri = state.clone(), state.clone()
-        keep_t = torch.tensor(keep)
-        gdn_commit_ref(k, v, g, beta, cu, keep_t, s_ref, slots, 17)
-        gdn_commit_triton(k, v, g, beta, cu, keep_t, s_tri, slots, 17)
-        errs[f"keep{keep}/state"] = _rel(s_tri, s_ref)
+    for impl in ("seq", "block"):  # seq: the engine's (work per kept token); block: the WY kernel, for comparison
+        for keep in ([0, 2, 17], [1, 3, 9], [0, 0, 0]):  # none / partial / all
+            q, k, v, g, beta, cu, state, slots = _gdn_inputs([1, 3, 17], seed=3)
+            s_ref, s_tri = state.clone(), state.clone()
+            keep_t = torch.tensor(keep)
+            gdn_commit_ref(k, v, g, beta, cu, keep_t, s_ref, slots, 17)
+            gdn_commit_triton(k, v, g, beta, cu, keep_t, s_tri, slots, 17, impl=impl)
+            errs[f"{impl}/keep{keep}/state"] = _rel(s_tri, s_ref)
     return errs
 
 

@@ -1,7 +1,9 @@
 """CUDA graphs for decode and verification steps (no prefill chunk in the step).
 
 A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block 1 or up to `max_block`) over
-static input buffers; a step copies its ragged batch into the bucket's buffers and replays. One graph runs the
+static input buffers; a step writes its ragged batch into the bucket's pinned host staging buffer (one int64
+array), copies it to the device in one transfer and replays: the graph itself unpacks the staging array into the
+typed inputs. One graph runs the
 forward (GDN/conv state advanced only for the requests in the write mask, block inputs kept for the commit,
 router correction of extra tokens, distinct experts per MoE layer) and a second one the commit of the accepted
 tokens. Nothing inside a step synchronizes with the host: attention and GDN take the bucket's sizes as hints and
@@ -21,9 +23,11 @@ same static batches run eagerly: that path checks the padding on machines withou
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -80,8 +84,27 @@ class _Graph:
     scratch: StepScratch
     logits: Tensor  # [Nb, V] static output (view of the shared buffer)
     hidden: Tensor | None
+    stage_host: Tensor  # [M] int64 (pinned on CUDA): every input of a step, laid out as `layout` says
+    stage_dev: Tensor  # [M] int64 on the device; the graph copies its slices into the typed inputs
+    layout: "_Layout"
     forward: torch.cuda.CUDAGraph | None = None
     commit: torch.cuda.CUDAGraph | None = None
+    staged: torch.cuda.Event | None = None  # the last host -> device copy of the staging buffer
+
+
+class _Layout:
+    """Offsets of a bucket's inputs in its int64 staging array (R requests incl. padding, Nb rows, P pages):
+    ids, positions, owner, extra, row_mask [Nb] each, cu [R+1], context, slots, write [R] each, table [R x P]."""
+
+    def __init__(self, r: int, nb: int, pages: int):
+        self.r, self.nb, self.pages = r, nb, pages
+        self.ids, self.positions, self.owner, self.extra, self.row_mask = (i * nb for i in range(5))
+        self.cu = 5 * nb
+        self.context = self.cu + r + 1
+        self.slots = self.context + r
+        self.write = self.slots + r
+        self.table = self.write + r
+        self.size = self.table + r * pages
 
 
 class StepGraphs:
@@ -152,16 +175,19 @@ class StepGraphs:
             query_lens=[key.max_block] * r,  # size hints for the kernels; real lengths come from cu_seqlens
             context_lens_host=None,  # type: ignore[arg-type]  # attention plans for the full page-table width
         )
-        # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
-        # requests, on the spare page and slot
-        lens = self._padding_lens(0, r, nb, key.max_block)
-        batch.cu_seqlens.copy_(torch.tensor([0] + lens).cumsum(0).to(i32))
-        batch.request_of_row.copy_(torch.repeat_interleave(torch.arange(r), torch.tensor(lens)))
+        layout = _Layout(r, nb, key.pages)
+        pinned = device.type == "cuda"
         g = _Graph(batch=batch, write=torch.zeros(r, dtype=torch.bool, device=device),
                    extra_rows=torch.zeros(nb, dtype=torch.bool, device=device),
                    row_mask=torch.zeros(nb, dtype=torch.bool, device=device),
                    keep=torch.zeros(r, dtype=i64, device=device), moe=MoEContext(), scratch=StepScratch({}),
-                   logits=self.logits_out[:nb], hidden=self.hidden_out[:nb] if self.hidden_out is not None else None)
+                   logits=self.logits_out[:nb], hidden=self.hidden_out[:nb] if self.hidden_out is not None else None,
+                   stage_host=torch.zeros(layout.size, dtype=i64, pin_memory=pinned),
+                   stage_dev=torch.zeros(layout.size, dtype=i64, device=device), layout=layout,
+                   staged=torch.cuda.Event() if pinned else None)
+        # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
+        # requests, on the spare page and slot
+        self._stage(g, key, [], [], [], [], [], [])
         if not self.capture:
             return g
         stream = torch.cuda.Stream()
@@ -184,7 +210,23 @@ class StepGraphs:
         self.captures += 1
         return g
 
+    @staticmethod
+    def _unpack(g: _Graph) -> None:
+        """The staging array into the typed static inputs (device copies: inside the captured graph)."""
+        sd, o, bt = g.stage_dev, g.layout, g.batch
+        bt.input_ids.copy_(sd[o.ids:o.ids + o.nb])
+        bt.positions.copy_(sd[o.positions:o.positions + o.nb])
+        bt.request_of_row.copy_(sd[o.owner:o.owner + o.nb])
+        g.extra_rows.copy_(sd[o.extra:o.extra + o.nb])
+        g.row_mask.copy_(sd[o.row_mask:o.row_mask + o.nb])
+        bt.cu_seqlens.copy_(sd[o.cu:o.cu + o.r + 1])
+        bt.context_lens.copy_(sd[o.context:o.context + o.r])
+        bt.state_slots.copy_(sd[o.slots:o.slots + o.r])
+        g.write.copy_(sd[o.write:o.write + o.r])
+        bt.page_table.copy_(sd[o.table:o.size].view(o.r, o.pages))
+
     def _forward(self, g: _Graph, keep_scratch: bool = True) -> None:
+        self._unpack(g)
         g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token else None, row_mask=g.row_mask,
                            collect_counts=self.collect_counts)
         scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph
@@ -221,40 +263,8 @@ class StepGraphs:
                 log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
                 return None
             self.graphs[key] = g
-        b, r, nb = len(blocks), g.write.shape[0], key.tokens
-        lens = [len(x) for x in blocks]
-        n = sum(lens)
-        # host buffers, one copy each to the device
-        cu = [0]
-        for t in lens:
-            cu.append(cu[-1] + t)
-        pad_lens = self._padding_lens(b, r, nb - n, key.max_block)
-        for t in pad_lens:
-            cu.append(cu[-1] + t)
-        flat = [tok for x in blocks for tok in x] + [0] * (nb - n)
-        positions = [c + j for c, t in zip(context_lens, lens) for j in range(t)] + [0] * (nb - n)
-        owner = [i for i, t in enumerate(lens) for _ in range(t)]
-        owner += [b + i for i, t in enumerate(pad_lens) for _ in range(t)]
-        table = torch.full((r, key.pages), self.spare_page, dtype=torch.int32)
-        for i, row in enumerate(page_rows):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        ints = torch.tensor(flat + positions + owner, dtype=torch.int64)
-        bt = g.batch
-        bt.input_ids.copy_(ints[:nb], non_blocking=True)
-        bt.positions.copy_(ints[nb:2 * nb], non_blocking=True)
-        bt.request_of_row.copy_(ints[2 * nb:], non_blocking=True)
-        bt.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32), non_blocking=True)
-        bt.context_lens.copy_(torch.tensor(context_lens + [0] * (r - b), dtype=torch.int32), non_blocking=True)
-        bt.page_table.copy_(table, non_blocking=True)
-        bt.state_slots.copy_(torch.tensor(slots + [self.spare_slot] * (r - b)), non_blocking=True)
-        masks = torch.zeros(r + 2 * nb, dtype=torch.bool)
-        masks[:b] = torch.tensor(write, dtype=torch.bool)
-        if extra_rows:
-            masks[[r + i for i in extra_rows]] = True
-        masks[r + nb:r + nb + n] = True
-        g.write.copy_(masks[:r], non_blocking=True)
-        g.extra_rows.copy_(masks[r:r + nb], non_blocking=True)
-        g.row_mask.copy_(masks[r + nb:], non_blocking=True)
+        lens, pad_lens = self._stage(g, key, blocks, context_lens, page_rows, slots, write, extra_rows)
+        bt, b, r, n = g.batch, len(blocks), g.layout.r, sum(lens)
         if not self.capture:  # eager on the same static batch (CPU tests)
             if not dispatch.use_triton(bt.input_ids):  # the references loop over the real host lengths
                 bt.query_lens = lens + pad_lens
@@ -263,6 +273,52 @@ class StepGraphs:
         else:
             g.forward.replay()
         return StepOutputs(g.logits[:n], g.hidden[:n] if g.hidden is not None else None, g.moe, captured)
+
+    def _stage(self, g: _Graph, key: BucketKey, blocks: list[list[int]], context_lens: list[int],
+               page_rows: list[list[int]], slots: list[int], write: list[bool],
+               extra_rows: list[int]) -> tuple[list[int], list[int]]:
+        """Writes a step's inputs into the bucket's staging array and starts its one copy to the device.
+        -> (real lengths, padding requests' lengths)."""
+        o = g.layout
+        b, r, nb = len(blocks), o.r, o.nb
+        lens = [len(x) for x in blocks]
+        n = sum(lens)
+        pad_lens = self._padding_lens(b, r, nb - n, key.max_block)
+        if g.staged is not None:
+            g.staged.synchronize()  # the last copy out of the pinned buffer is done before it is rewritten
+        st = g.stage_host.numpy()
+        all_lens = np.asarray(lens + pad_lens, dtype=np.int64)  # [R], sums to Nb
+        cu = np.zeros(r + 1, dtype=np.int64)
+        np.cumsum(all_lens, out=cu[1:])
+        st[o.ids:o.ids + n] = list(itertools.chain.from_iterable(blocks))
+        st[o.ids + n:o.ids + nb] = 0
+        real = np.asarray(lens, dtype=np.int64)
+        pos = st[o.positions:o.positions + nb]
+        pos[n:] = 0
+        if n:  # context + offset inside the block, for the real rows
+            pos[:n] = np.repeat(np.asarray(context_lens, dtype=np.int64) - cu[:b], real) + np.arange(n)
+        st[o.owner:o.owner + nb] = np.repeat(np.arange(r, dtype=np.int64), all_lens)
+        extra = st[o.extra:o.extra + nb]
+        extra[:] = 0
+        if extra_rows:
+            extra[extra_rows] = 1
+        st[o.row_mask:o.row_mask + n] = 1
+        st[o.row_mask + n:o.row_mask + nb] = 0
+        st[o.cu:o.cu + r + 1] = cu
+        st[o.context:o.context + b] = context_lens
+        st[o.context + b:o.context + r] = 0
+        st[o.slots:o.slots + b] = slots
+        st[o.slots + b:o.slots + r] = self.spare_slot
+        st[o.write:o.write + b] = write
+        st[o.write + b:o.write + r] = 0
+        table = st[o.table:o.size].reshape(r, o.pages)
+        table[:] = self.spare_page
+        for i, row in enumerate(page_rows):
+            table[i, :len(row)] = row
+        g.stage_dev.copy_(g.stage_host, non_blocking=True)
+        if g.staged is not None:
+            g.staged.record()
+        return lens, pad_lens
 
     def _padding_lens(self, b: int, r: int, pad: int, max_block: int) -> list[int]:
         """Tokens of requests b..r-1: zero for the first ones, the padding (<= max_block each) in the last."""
