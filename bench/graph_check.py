@@ -35,11 +35,15 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="fp32 with --decisive 0: tokens depend on every layer's state, and fp32 rounding rarely "
+                         "flips a greedy token, so a wrong state or input shows as a divergence")
+    ap.add_argument("--decisive", type=int, default=1)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and args.dtype == "bf16" else torch.float32
     model = build_bench_model(num_layers=args.layers, config=tiny_config() if args.tiny else None, dtype=dtype,
-                              device=device, decisive=True)
+                              device=device, decisive=bool(args.decisive))
     cfg, page_size = model.config, 16
     pages = -(-(args.prompt_len + args.max_new + 20) // page_size)
     num_pages = args.concurrency * pages
@@ -54,7 +58,7 @@ def main() -> None:
         return r
 
     out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "layers": cfg.num_hidden_layers}
+           "layers": cfg.num_hidden_layers, "dtype": str(dtype), "decisive": bool(args.decisive)}
     os.environ["HYBRIDSPEC_KERNELS"] = "ref"
     reference = serve(runner(False), prompts, args.max_new, 0, page_size, num_pages, "ar").tokens
     os.environ["HYBRIDSPEC_KERNELS"] = "auto"
