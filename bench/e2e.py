@@ -336,6 +336,15 @@ def main() -> None:
                 if runner.policy.gate is not None:
                     row["speculative_step_share"] = runner.policy.gate.speculative_share()
                 row["draft_overhead_ms"] = dict(runner.policy.draft_overhead_ms)
+                pstats = runner.policy.stats()
+                for key in ("plan_step_bias_pct", "plan_step_abs_pct"):
+                    if key in pstats:
+                        row[key] = pstats[key]
+                if policy == "hybridspec":  # its forward cost at the cell's batch size: points and profile scale
+                    table = runner.policy.cost_table(conc)
+                    if table is not None:
+                        row["cost_table_ms"] = {t: table.cost_ms(t) for t in table.tokens}
+                    row["profile_scale"] = dict(runner.policy.profile_scale)
                 rows.append(row)
                 dump(args.out, meta, rows)
                 print(f"c={conc} acc={acceptance} {policy}: {row['decode_tokens_per_s']:.1f} tok/s "

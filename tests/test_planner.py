@@ -570,12 +570,37 @@ def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     # a prefill chunk (no context yet, or longer than a verification block) is no sample of a verification step
     policy.observe(None, StepObservation([600, 1], [0, 30], 40.0, None), None)
     policy.observe(None, StepObservation([300, 1], [300, 30], 30.0, None), None)
-    assert policy.bucket_costs[2].tokens == [2, 10, 18]
+    assert policy.cost_table(2).tokens == [2, 10, 18] and not policy.bucket_costs
     policy.observe(None, StepObservation([5, 1], [300, 30], 7.0, None), None)  # a verification step is
-    assert policy.bucket_costs[2].tokens == [2, 6, 10, 18]
+    assert policy.cost_table(2).tokens == [2, 6, 10, 18] and policy.bucket_costs[2].tokens == [6]
+    assert policy.profile_scale[2] == pytest.approx(1.0)  # the profile said 7.0 ms at 6 tokens too
     budget = LengthPolicy("budget", cfg, max_verify_len=8)
     budget.observe_profile(StepObservation([1, 1], [10, 10], 5.0, None), None)
-    assert not budget.bucket_costs  # only hybridspec keeps them
+    assert not budget.bucket_costs and not budget.profile_costs  # only hybridspec keeps them
+
+
+def test_profile_points_are_rescaled_by_what_served_steps_measure_against_them():
+    """The start-up profile's synthetic steps (short contexts, other graph buckets) can sit off the served steps
+    by a factor; the token counts the plan has not visited take that factor, so they neither lure the plan nor
+    keep it away."""
+    from workers.config import ModelConfig
+    from workers.policy import LengthPolicy, StepObservation
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
+    for t, ms in ((4, 10.0), (8, 12.0), (16, 16.0), (32, 24.0)):  # 4 requests x 1 / 2 / 4 / 8 tokens
+        policy.observe_profile(StepObservation([t // 4] * 4, [8] * 4, ms, None), None)
+    for _ in range(40):  # served steps measure 1.5x the profile at 8 tokens
+        policy.observe(None, StepObservation([2] * 4, [300] * 4, 18.0, None), None)
+    table = policy.cost_table(4)
+    assert table.tokens == [4, 8, 16, 32]
+    assert policy.profile_scale[4] == pytest.approx(1.5, rel=1e-3)
+    assert table.cost_ms(8) == pytest.approx(18.0)  # measured
+    assert table.cost_ms(32) == pytest.approx(36.0, rel=1e-3)  # the profile's 24 ms x 1.5
+    assert table.cost_ms(4) == pytest.approx(15.0, rel=1e-3)
 
 
 def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():

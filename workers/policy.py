@@ -14,6 +14,7 @@ seen enough steps it explores with `fixed` lengths (an online start-up profile).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +33,8 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
 COUNTS_FOLD_EVERY = 32
 COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
-OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
+OVERHEAD_ALPHA = 0.1
+PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count  # EWMA weight of a drafted step's measured overhead beyond the forward
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 
@@ -175,8 +177,13 @@ class LengthPolicy:
                                          max(config.num_experts_per_tok, 1))
         self.latency = LatencyModel(estimator=self.estimator)
         self.token_costs = TokenCostTable()
-        # hybridspec: forward ms by token count per batch-size bucket (SpeculationGate.bucket), measured
+        # hybridspec: forward ms by token count per batch-size bucket (SpeculationGate.bucket): measured on
+        # served verification steps, and on the start-up profile's synthetic steps (their level rescaled by what
+        # served steps measure against them: cost_table)
         self.bucket_costs: dict[int, TokenCostTable] = {}
+        self.profile_costs: dict[int, TokenCostTable] = {}
+        self.profile_scale: dict[int, float] = {}  # per bucket: EWMA of served ms / profile ms at its token count
+        self._cost_tables: dict[int, TokenCostTable | None] = {}  # cost_table's cache (dropped on a new sample)
         self.expected_tokens: float | None = None  # the last hybridspec plan's expected output tokens
         self._last_plan: tuple | None = None  # (survival, cost, plan, base tokens) of this step's plan
         self.extra_keep: dict[int, tuple[float, float]] = {}  # bucket -> decayed (kept, sent) extra tokens
@@ -189,6 +196,10 @@ class LengthPolicy:
         self.gate = SpeculationGate() if name == "hybridspec" else None
         # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
         self.draft_overhead_ms: dict[int, float] = {}
+        # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
+        # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
+        self._predicted_ms: float | None = None
+        self.plan_errors: deque[tuple[float, float]] = deque(maxlen=512)
 
     @property
     def uses_extra_token(self) -> bool:
@@ -219,6 +230,9 @@ class LengthPolicy:
             expected = self.expected_tokens if drafted and self.expected_tokens is not None else tokens
             self.gate.observe(batch_size, drafted, expected, step_ms)
         self.expected_tokens = None
+        if drafted and self._predicted_ms is not None:
+            self.plan_errors.append((self._predicted_ms, step_ms))
+        self._predicted_ms = None
         if drafted and forward_ms is not None and step_ms > forward_ms:
             b = SpeculationGate.bucket(batch_size)
             old = self.draft_overhead_ms.get(b)
@@ -260,7 +274,9 @@ class LengthPolicy:
         acc = [self.calibrator.calibrate_row(drafter, conf) for conf in confidences]
         survival = survival_from_acceptance(acc)
         if self.name == "budget":
-            return budget_plan(survival, caps, self.token_costs, sum(tokens)).lengths
+            plan = budget_plan(survival, caps, self.token_costs, sum(tokens))
+            self._predicted_ms = plan.step_ms
+            return plan.lengths
         return self._plan_hybridspec(survival, caps, tokens, contexts)
 
     def step_cost(self, tokens: list[int], contexts: list[int], max_tokens: int) -> "SlopeFloor | ModelTokenCost":
@@ -271,12 +287,31 @@ class LengthPolicy:
         than the measured costs justify (bench/NOTES.md, e2e runs 3-4 of 2026-11-30). A measured table's cost
         rises by at least the model's ms_per_token a token (SlopeFloor): points that are no longer refreshed
         can flatten it, and a flat cost would make every draft look free."""
-        table = self.bucket_costs.get(SpeculationGate.bucket(len(tokens)))
+        table = self.cost_table(len(tokens))
         if table is not None and len(table.tokens) >= 2:
             floor = self.latency.coefs.ms_per_token if self.latency.coefs is not None else 0.0
             return SlopeFloor(table, floor)
         base = StepComposition(tokens, contexts, self.num_moe_layers)
         return self.latency.token_cost(base, self._distinct_upto(max_tokens))
+
+    def cost_table(self, batch_size: int) -> TokenCostTable | None:
+        """The forward ms by token count at this batch size's bucket: every token count a served step measured,
+        and the start-up profile's others scaled by profile_scale. The profile's synthetic steps run at a short
+        context on the spare page (narrow page tables, other graph buckets) and differ from served steps by a
+        factor: unscaled, a profile point the plan never visits stays off, and can lure the plan to it (or keep
+        it away) for good."""
+        b = SpeculationGate.bucket(batch_size)
+        if b not in self._cost_tables:
+            served, prof = self.bucket_costs.get(b), self.profile_costs.get(b)
+            points = dict(zip(served.tokens, zip(served.step_ms, served._counts))) if served else {}
+            if prof:
+                scale = self.profile_scale.get(b, 1.0)
+                for t, ms in zip(prof.tokens, prof.step_ms):
+                    points.setdefault(t, (ms * scale, 1.0))
+            ts = sorted(points)
+            self._cost_tables[b] = TokenCostTable(ts, [points[t][0] for t in ts], [points[t][1] for t in ts]) \
+                if ts else None
+        return self._cost_tables[b]
 
     def _plan_hybridspec(self, survival: list[list[float]], caps: list[int], tokens: list[int],
                          contexts: list[int]) -> list[int]:
@@ -290,6 +325,7 @@ class LengthPolicy:
         # blocks worth more than the forward alone says
         plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
         self.expected_tokens = plan.expected_tokens
+        self._predicted_ms = plan.step_ms
         self._last_plan = (survival, cost, plan, sum(tokens))
         return plan.lengths
 
@@ -380,8 +416,14 @@ class LengthPolicy:
                       all(t <= self.max_verify_len + 2 for t in obs.tokens_per_request)):
             self.token_costs.observe(comp.num_tokens, obs.forward_ms)
             if self.name == "hybridspec":  # its measured cost per batch-size bucket (step_cost)
-                table = self.bucket_costs.setdefault(SpeculationGate.bucket(comp.num_requests), TokenCostTable())
-                table.observe(comp.num_tokens, obs.forward_ms)
+                b, n = SpeculationGate.bucket(comp.num_requests), comp.num_tokens
+                if not anchor and self.profile_costs.get(b) and self.profile_costs[b].tokens:
+                    ratio = obs.forward_ms / max(self.profile_costs[b].cost_ms(n), 1e-9)
+                    old = self.profile_scale.get(b)
+                    self.profile_scale[b] = ratio if old is None else old + PROFILE_SCALE_ALPHA * (ratio - old)
+                tables = self.profile_costs if anchor else self.bucket_costs
+                tables.setdefault(b, TokenCostTable()).observe(n, obs.forward_ms)
+                self._cost_tables.pop(b, None)
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
@@ -391,6 +433,9 @@ class LengthPolicy:
                "latency_p90_abs_pct": err.p90_abs_pct}
         if self.gate is not None:
             out["speculative_step_share"] = self.gate.speculative_share()
+        if self.plan_errors:  # signed: > 0 where the plan predicted steps longer than they were
+            out["plan_step_bias_pct"] = 100.0 * sum((p - m) / m for p, m in self.plan_errors) / len(self.plan_errors)
+            out["plan_step_abs_pct"] = 100.0 * sum(abs(p - m) / m for p, m in self.plan_errors) / len(self.plan_errors)
         if drafter is not None and drafter in self.calibrator.drafters:
             cal = self.calibrator.stats(drafter)
             out.update(calibration_samples=float(cal.n), calibration_ece_raw=cal.ece_raw,
