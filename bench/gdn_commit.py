@@ -26,6 +26,7 @@ from kernels.gdn import gdn_commit_ref  # noqa: E402
 HK, HV, DK, DV = 16, 32, 128, 128
 LAYERS = 30  # GDN layers of the 40-layer bench model
 STATE_BYTES = HV * DK * DV * 4
+SWEEP = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))  # (bv, num_warps) of the sequential commit
 
 
 def inputs(lens, device, seed):
@@ -81,6 +82,7 @@ def time_graph(fn, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", action="store_true", help="also time the sequential kernel's (bv, warps) configs")
     args = ap.parse_args()
     from kernels.gdn_triton import gdn_commit_triton
 
@@ -105,10 +107,19 @@ def main() -> None:
                 checks[f"B{b}/keep{kind}/{impl}"] = err
                 work = pool.clone()
                 row[impl] = time_graph(lambda: gdn_commit_triton(k, v, g, beta, cu, keep, work, slots, t, impl=impl))
+            if args.sweep and b > 1:  # the sequential kernel's tile width and warps
+                for bv, warps in SWEEP:
+                    out = pool.clone()
+                    gdn_commit_triton(k, v, g, beta, cu, keep, out, slots, t, bv=bv, num_warps=warps)
+                    checks[f"B{b}/keep{kind}/seq_bv{bv}_w{warps}"] = float(
+                        (out[slots] - ref[slots]).norm() / ref[slots].norm())
+                    row[f"seq_bv{bv}_w{warps}"] = time_graph(lambda: gdn_commit_triton(
+                        k, v, g, beta, cu, keep, out, slots, t, bv=bv, num_warps=warps))
             rows.append(row)
             print(f"B={b:3d} keep={kind:>4} (mean {row['mean_keep']:5.2f}): seq {row['seq']:7.1f} us, block "
                   f"{row['block']:7.1f} us, floor {row['floor_us']:6.1f} us; a step of {LAYERS} layers: seq "
-                  f"{row['seq'] * LAYERS / 1e3:.2f} ms, block {row['block'] * LAYERS / 1e3:.2f} ms", flush=True)
+                  f"{row['seq'] * LAYERS / 1e3:.2f} ms, block {row['block'] * LAYERS / 1e3:.2f} ms" +
+                  "".join(f"; {key} {val:.1f}" for key, val in row.items() if key.startswith("seq_bv")), flush=True)
     worst = max(checks.values())
     print(f"max relative state error vs gdn_commit_ref: {worst:.2e}", flush=True)
     out = Path(args.out)
