@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from scheduler.calibration import AcceptanceCalibrator
@@ -46,16 +47,16 @@ class SlopeFloor:
     table: TokenCostTable
     floor: float
 
-    def costs_ms(self, lo: int, hi: int) -> list[float]:
-        out = self.table.costs_ms(lo, hi)
-        for i in range(1, len(out)):
-            out[i] = max(out[i], out[i - 1] + self.floor)
-        return out
+    def costs_ms(self, lo: int, hi: int) -> np.ndarray:
+        """[cost(n) for n in lo..hi]: out[i] = max over j <= i of table[j] + (i - j) floor (a running max)."""
+        out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
+        step = self.floor * np.arange(out.shape[0], dtype=np.float64)
+        return np.maximum.accumulate(out - step) + step
 
     def cost_ms(self, num_tokens: float) -> float:
         n = int(num_tokens)
         lo = min(self.table.tokens[0], n) if self.table.tokens else n
-        return self.costs_ms(lo, n)[-1]
+        return float(self.costs_ms(lo, n)[-1])
 
 
 def nearest_bucket(buckets, b: int) -> int:
