@@ -1,1 +1,1 @@
-"""Scheduling policy and bookkeeping: pure Python, no tensors."""
+"""Scheduling policy and bookkeeping: Python and host numpy (a step's planning arithmetic), no model code."""

@@ -8,13 +8,18 @@ confidence (weighted pool-adjacent-violators: binned isotonic regression), and r
 between bin centres. Online: every verification adds observations; ECE is reported before (raw) and after
 (calibrated, scored prequentially: each observation against the map as it was before it).
 
-The map is also exported as a table [positions][bins] for planner_torch.calibrate_device. Pure Python.
+The map is also exported as a table [positions][bins] for planner_torch.calibrate_device. Host numpy: a step's
+calibrations and observations run vectorized (with the arithmetic of the per-draft loops, so equal bit for bit),
+small ones in plain Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -39,51 +44,172 @@ class _EceBins:
         self.hit[b] += 1.0 if accepted else 0.0
         self.n[b] += 1.0
 
+    def add_many(self, p: np.ndarray, accepted: np.ndarray) -> None:
+        """add() for each of p [N] (in [0, 1]) and accepted [N] (bool), in order."""
+        b = np.minimum(np.maximum((p * 10).astype(np.intp), 0), 9)  # [N] min(9, max(0, int(p * 10)))
+        pred = np.array(self.pred)
+        np.add.at(pred, b, p)  # one by one in order: the same sums as add()
+        self.pred[:] = pred.tolist()
+        # hit and n hold whole numbers: adding the counts at once is exact
+        self.hit[:] = [h + c for h, c in zip(self.hit, np.bincount(b[accepted], minlength=10).tolist())]
+        self.n[:] = [n + c for n, c in zip(self.n, np.bincount(b, minlength=10).tolist())]
+
     def ece(self) -> float:
         tot = sum(self.n)
         return sum(abs(p - h) for p, h in zip(self.pred, self.hit)) / tot if tot else float("nan")
 
 
-class _PositionMap:
-    """Binned isotonic map for one (drafter, position)."""
+class _DrafterMaps:
+    """One drafter's binned isotonic maps, one per draft position (counts and calibrated values [positions,
+    bins], the values rebuilt lazily for the positions that saw data) and its ECE bins."""
 
-    def __init__(self, num_bins: int, prior_weight: float, max_count_per_bin: float):
+    def __init__(self, positions: int, num_bins: int, prior_weight: float, max_count_per_bin: float):
         self.num_bins, self.prior_weight, self.max_count = num_bins, prior_weight, max_count_per_bin
-        self.accepted = [0.0] * num_bins
-        self.total = [0.0] * num_bins
-        self._values: list[float] | None = None
+        self.accepted = np.zeros((positions, num_bins))  # [P, nb] (decayed) accepted observations per bin
+        self.total = np.zeros((positions, num_bins))  # [P, nb] (decayed) observations per bin
+        self._values = np.zeros((positions, num_bins))  # [P, nb] value at each bin centre (where not dirty)
+        self._dirty = np.ones(positions, dtype=bool)  # [P] counts changed since the values were built
+        self._rows: list[list[float]] | None = None  # _values as lists; None: maybe dirty
+        self._slopes: np.ndarray | None = None  # [P, nb] values[b + 1] - values[b] (0 at the last bin); None: stale
+        self._centre = (np.arange(num_bins) + 0.5) / num_bins  # [nb] bin centres
+        self.raw, self.cal = _EceBins(), _EceBins()
 
-    def add(self, confidence: float, accepted: bool) -> None:
-        b = min(self.num_bins - 1, max(0, int(confidence * self.num_bins)))
-        if self.total[b] >= self.max_count:  # forget old data slowly (drifting acceptance)
-            keep = (self.max_count - 1.0) / self.total[b]
-            self.accepted[b] *= keep
-            self.total[b] *= keep
-        self.accepted[b] += 1.0 if accepted else 0.0
-        self.total[b] += 1.0
-        self._values = None
-
-    def values(self) -> list[float]:
-        """Calibrated acceptance probability at each bin centre (non-decreasing)."""
-        if self._values is None:
-            nb, w = self.num_bins, self.prior_weight
-            blocks: list[list[float]] = []  # [weighted sum, weight, bins]
-            for b in range(nb):
-                centre = (b + 0.5) / nb
-                weight = self.total[b] + w
-                rate = (self.accepted[b] + w * centre) / weight if weight > 0 else centre
-                weight = max(weight, 1e-9)  # an empty bin with no prior: the identity, pooled away by any data
-                blocks.append([rate * weight, weight, 1])
-                while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-                    s, wt, n = blocks.pop()
-                    blocks[-1][0] += s
-                    blocks[-1][1] += wt
-                    blocks[-1][2] += n
-            self._values = [blk[0] / blk[1] for blk in blocks for _ in range(int(blk[2]))]
+    def table(self) -> np.ndarray:
+        """[P, nb] calibrated acceptance probability at each bin centre (non-decreasing along bins)."""
+        if self._rows is None:
+            dirty = np.flatnonzero(self._dirty)
+            if len(dirty):
+                self._rebuild(dirty)
         return self._values
 
-    def __call__(self, confidence: float) -> float:
-        return _interpolate(self.values(), self.num_bins, confidence)
+    def rows(self) -> list[list[float]]:
+        """table() as lists (per-draft lookups)."""
+        if self._rows is None:
+            self._rows = self.table().tolist()
+        return self._rows
+
+    def interpolate(self, rows: np.ndarray, confidences: np.ndarray) -> np.ndarray:
+        """_interpolate for many drafts at once: rows (map of each draft) and confidences broadcastable to one
+        shape S -> [S], with the same arithmetic (the slope vals[lo + 1] - vals[lo] is stored per bin)."""
+        nb = self.num_bins
+        x = confidences * nb - 0.5  # continuous bin coordinate
+        x = np.fmin(np.fmax(x, 0.0), nb - 1.0)  # clamped to the outer centres (NaN: fmax gives 0)
+        lo = x.astype(np.intp)  # int(x)
+        idx = rows * nb + lo
+        values = self.table()
+        if self._slopes is None:
+            self._slopes = np.zeros_like(values)
+            self._slopes[:, :-1] = values[:, 1:] - values[:, :-1]
+        return values.take(idx) + (x - lo) * self._slopes.take(idx)  # (at the clamps x - lo = 0: vals[lo] + 0)
+
+    def _rebuild(self, dirty: np.ndarray) -> None:
+        """Weighted pool-adjacent-violators per dirty position, the counts shrunk towards the identity map by the
+        prior: for many positions the per-bin rates in numpy and the pooling (where a bin is below its
+        predecessor) in Python; for a few, all in Python."""
+        nb, w = self.num_bins, self.prior_weight
+        if len(dirty) <= _REBUILD_LOOP_MAX:
+            self._values[dirty] = [_isotonic(a, t, w, nb) for a, t in
+                                   zip(self.accepted[dirty].tolist(), self.total[dirty].tolist())]
+            self._dirty[dirty] = False
+            self._slopes = None
+            return
+        centre = self._centre
+        weight = self.total[dirty] + w  # [D, nb]
+        if w >= 1e-9 and self.max_count >= 1.0:  # (totals >= 0: every weight >= 1e-9)
+            rate = (self.accepted[dirty] + w * centre) / weight
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rate = np.where(weight > 0, (self.accepted[dirty] + w * centre) / weight, centre)
+            weight = np.maximum(weight, 1e-9)  # an empty bin with no prior: the identity, pooled away by any data
+        sums = rate * weight  # [D, nb]
+        vals = sums / weight  # [D, nb] every bin a block of its own
+        drops = vals[:, :-1] > vals[:, 1:]  # [D, nb - 1]
+        pool = np.flatnonzero(drops.any(axis=1))
+        if len(pool) == len(dirty):
+            vals = np.array([_pool_adjacent(s, wt, start) for s, wt, start in
+                             zip(sums.tolist(), weight.tolist(), (drops.argmax(axis=1) + 1).tolist())])
+        elif len(pool):
+            vals[pool] = [_pool_adjacent(s, wt, start) for s, wt, start in
+                          zip(sums[pool].tolist(), weight[pool].tolist(), (drops[pool].argmax(axis=1) + 1).tolist())]
+        self._values[dirty] = vals
+        self._dirty[dirty] = False
+        self._slopes = None
+
+    def add(self, positions: np.ndarray, confidences: np.ndarray, accepted: np.ndarray) -> None:
+        """Counts observations (positions [N] in 0..P-1, finite confidences [N], accepted [N] bool) in order. A
+        bin at max_count forgets old data slowly (drifting acceptance): each new observation first scales it
+        to max_count - 1. Bins that cannot reach max_count in this call count in numpy, the others in order."""
+        nb, cap = self.num_bins, self.max_count
+        bins = np.fmin(np.fmax(confidences * nb, 0.0), nb - 1.0).astype(np.intp)  # min(nb-1, max(0, int(c nb)))
+        cells = positions * nb + bins  # [N] into the flattened [P * nb] counts
+        acc, tot = self.accepted.reshape(-1), self.total.reshape(-1)  # [P * nb] views
+        easy = (tot + np.bincount(cells, minlength=tot.size) <= cap - 1.0)[cells]  # [N]
+        if easy.all():
+            np.add.at(acc, cells[accepted], 1.0)  # one by one in order: the sums of add_one
+            np.add.at(tot, cells, 1.0)
+        else:
+            np.add.at(acc, cells[easy & accepted], 1.0)
+            np.add.at(tot, cells[easy], 1.0)
+            hard = ~easy
+            a_list, t_list, keep_to = acc.tolist(), tot.tolist(), cap - 1.0
+            for c, a in zip(cells[hard].tolist(), np.where(accepted[hard], 1.0, 0.0).tolist()):
+                t = t_list[c]
+                if t >= cap:
+                    keep = keep_to / t
+                    a_list[c] = a_list[c] * keep + a
+                    t_list[c] = t * keep + 1.0
+                else:
+                    a_list[c] += a
+                    t_list[c] = t + 1.0
+            acc[:] = a_list
+            tot[:] = t_list
+        self._dirty[positions] = True
+        self._rows = None
+
+    def add_one(self, position: int, confidence: float, accepted: bool) -> None:
+        """add() for one observation."""
+        b = min(self.num_bins - 1, max(0, int(confidence * self.num_bins)))
+        cell = (position, b)
+        a, t = self.accepted[cell], self.total[cell]  # (float64 scalars: Python's float arithmetic)
+        if t >= self.max_count:
+            keep = (self.max_count - 1.0) / t
+            a, t = a * keep, t * keep
+        self.accepted[cell] = a + (1.0 if accepted else 0.0)
+        self.total[cell] = t + 1.0
+        self._dirty[position] = True
+        self._rows = None
+
+
+def _isotonic(accepted: list[float], total: list[float], prior_weight: float, nb: int) -> list[float]:
+    """One map's values at the bin centres: rates shrunk towards the centre, pooled (_DrafterMaps._rebuild)."""
+    sums, weights = [], []
+    for b, (a, t) in enumerate(zip(accepted, total)):
+        centre = (b + 0.5) / nb
+        weight = t + prior_weight
+        rate = (a + prior_weight * centre) / weight if weight > 0 else centre
+        weight = max(weight, 1e-9)  # an empty bin with no prior: the identity, pooled away by any data
+        sums.append(rate * weight)
+        weights.append(weight)
+    return _pool_adjacent(sums, weights)
+
+
+def _pool_adjacent(sums: list[float], weights: list[float], start: int = 1) -> list[float]:
+    """Weighted pool-adjacent-violators over bins (block means sum / weight made non-decreasing), one value per
+    bin; bins before `start` are known to be non-decreasing (blocks of their own)."""
+    bs, bw, bn = sums[:start], weights[:start], [1] * start
+    for s, w in zip(sums[start:], weights[start:]):
+        n = 1
+        while bs and bs[-1] / bw[-1] > s / w:
+            s += bs.pop()
+            w += bw.pop()
+            n += bn.pop()
+        bs.append(s)
+        bw.append(w)
+        bn.append(n)
+    out: list[float] = []
+    for s, w, n in zip(bs, bw, bn):
+        out += [s / w] * n
+    return out
 
 
 def _interpolate(vals: list[float], nb: int, confidence: float) -> float:
@@ -97,6 +223,28 @@ def _interpolate(vals: list[float], nb: int, confidence: float) -> float:
     return vals[lo] + (x - lo) * (vals[lo + 1] - vals[lo])
 
 
+def clip_unit(a: np.ndarray) -> np.ndarray:
+    """min(1, max(0, a)) elementwise, as Python evaluates it (NaN -> 0)."""
+    return np.where(a > 0.0, np.minimum(a, 1.0), 0.0)
+
+
+def pad_rows(rows: Sequence[Sequence[float]], fill: float = 0.0) -> tuple[np.ndarray, list[int]]:
+    """Ragged rows as a float64 array [len(rows), longest] (`fill` past each row's end) and the row lengths."""
+    lens = [len(r) for r in rows]
+    width, total = max(lens, default=0), sum(lens)
+    flat = np.fromiter(chain.from_iterable(rows), np.float64, count=total)  # [total]
+    if total == width * len(rows):
+        return flat.reshape(len(rows), width), lens
+    out = np.full((len(rows), width), fill)
+    out[np.arange(width) < np.array(lens)[:, None]] = flat
+    return out, lens
+
+
+# calibrations / observations of at least this many drafts in one call run in numpy (below: the loops, faster)
+_CALIBRATE_NUMPY_MIN, _OBSERVE_NUMPY_MIN = 64, 40
+_REBUILD_LOOP_MAX = 6  # maps of at most this many positions rebuild in plain Python
+
+
 class AcceptanceCalibrator:
     """Per drafter name and draft position (0-based; positions >= max_positions share the last map)."""
 
@@ -106,29 +254,50 @@ class AcceptanceCalibrator:
             raise ValueError("num_bins and max_positions must be >= 1")
         self.num_bins, self.max_positions = num_bins, max_positions
         self.prior_weight, self.max_count_per_bin = prior_weight, max_count_per_bin
-        self._maps: dict[str, list[_PositionMap]] = {}
-        self._ece_raw: dict[str, _EceBins] = {}
-        self._ece_cal: dict[str, _EceBins] = {}
+        self._maps: dict[str, _DrafterMaps] = {}
 
-    def _map(self, drafter: str, position: int) -> _PositionMap:
+    def _drafter(self, drafter: str) -> _DrafterMaps:
         maps = self._maps.get(drafter)
         if maps is None:
-            maps = [_PositionMap(self.num_bins, self.prior_weight, self.max_count_per_bin)
-                    for _ in range(self.max_positions)]
+            maps = _DrafterMaps(self.max_positions, self.num_bins, self.prior_weight, self.max_count_per_bin)
             self._maps[drafter] = maps
-            self._ece_raw[drafter], self._ece_cal[drafter] = _EceBins(), _EceBins()
-        return maps[min(max(position, 0), self.max_positions - 1)]
+        return maps
 
     def calibrate(self, drafter: str, position: int, confidence: float) -> float:
         """Calibrated P(accepted | earlier drafts accepted) for one draft."""
-        return self._map(drafter, position)(confidence)
+        rows = self._drafter(drafter).rows()
+        return _interpolate(rows[min(max(position, 0), self.max_positions - 1)], self.num_bins, confidence)
 
     def calibrate_row(self, drafter: str, confidences: Sequence[float]) -> list[float]:
-        """Calibrated acceptance of one request's drafts (positions 0..len-1). (Runs for every draft of every
-        request before each step's plan: the maps are looked up once, not per draft.)"""
-        self._map(drafter, 0)
-        maps, last, nb = self._maps[drafter], self.max_positions - 1, self.num_bins
-        return [_interpolate(maps[j if j < last else last].values(), nb, c) for j, c in enumerate(confidences)]
+        """Calibrated acceptance of one request's drafts (positions 0..len-1)."""
+        if len(confidences) >= _CALIBRATE_NUMPY_MIN:
+            return self.calibrate_rows(drafter, [confidences])[0]
+        table, last, nb = self._drafter(drafter).rows(), self.max_positions - 1, self.num_bins
+        return [_interpolate(table[j if j < last else last], nb, c) for j, c in enumerate(confidences)]
+
+    def calibrate_rows(self, drafter: str, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
+        """calibrate_row for every request of a step (rows may differ in length, empty ones too). Runs for every
+        draft of every request before each step's plan: in numpy from _CALIBRATE_NUMPY_MIN drafts on."""
+        lens = [len(row) for row in confidences]
+        if sum(lens) >= _CALIBRATE_NUMPY_MIN:
+            rows = self.calibrate_array(drafter, confidences).tolist()
+            return rows if min(lens) == max(lens) else [r[:n] for r, n in zip(rows, lens)]
+        return [self.calibrate_row(drafter, row) for row in confidences]
+
+    def calibrate_array(self, drafter: str, confidences: Sequence[Sequence[float]] | np.ndarray) -> np.ndarray:
+        """calibrate_rows as a float64 array [B, K] (K: the longest row; 0.0 past each row's end). A float array
+        [B, K] of confidences is B rows of K drafts."""
+        if isinstance(confidences, np.ndarray):
+            conf, lens = confidences.astype(np.float64, copy=False), None
+        elif sum(len(row) for row in confidences) < _CALIBRATE_NUMPY_MIN:  # (a few drafts: the loop, padded)
+            return pad_rows(self.calibrate_rows(drafter, confidences))[0]
+        else:
+            conf, lens = pad_rows(confidences)  # [B, K]
+        K = conf.shape[1]
+        out = self._drafter(drafter).interpolate(np.minimum(np.arange(K), self.max_positions - 1), conf)
+        if lens is not None and min(lens, default=K) < K:
+            out[np.arange(K) >= np.array(lens)[:, None]] = 0.0
+        return out
 
     def observe(self, drafter: str, position: int, confidence: float, accepted: bool) -> None:
         self.observe_many(drafter, [(position, confidence, accepted)])
@@ -136,17 +305,13 @@ class AcceptanceCalibrator:
     def observe_many(self, drafter: str, observations: Sequence[tuple[int, float, bool]]) -> None:
         """(position, confidence, accepted) observations of one step: all scored (ECE) against the maps as they
         were before the step, then added (one map rebuild per position per step, not per observation)."""
-        self._map(drafter, 0)
-        raw, cal = self._ece_raw[drafter], self._ece_cal[drafter]
-        maps, last, nb = self._maps[drafter], self.max_positions - 1, self.num_bins
-        scored = []
-        for pos, conf, acc in observations:
-            m = maps[min(max(pos, 0), last)]
-            scored.append((m, conf, acc, _interpolate(m.values(), nb, conf)))
-        for m, conf, acc, pred in scored:
-            raw.add(min(1.0, max(0.0, conf)), acc)
-            cal.add(pred, acc)
-            m.add(conf, acc)
+        maps, last = self._drafter(drafter), self.max_positions - 1
+        if len(observations) < _OBSERVE_NUMPY_MIN:
+            self._observe_loop(maps, [(min(max(p, 0), last), c, a) for p, c, a in observations])
+            return
+        pos, conf, acc = zip(*observations)
+        pos = np.minimum(np.maximum(np.array(pos, dtype=np.intp), 0), last)
+        self._observe_arrays(maps, pos, np.array(conf, dtype=np.float64), np.array([bool(a) for a in acc]))
 
     def observe_verification(self, drafter: str, confidences: Sequence[float], num_verified: int,
                              num_accepted: int) -> None:
@@ -156,21 +321,49 @@ class AcceptanceCalibrator:
 
     def observe_step(self, drafter: str, outcomes: Sequence[tuple[Sequence[float], int, int]]) -> None:
         """observe_verification for every request of a step: (confidences, num_verified, num_accepted) each."""
-        obs = []
-        for confidences, num_verified, num_accepted in outcomes:
-            for j in range(min(num_verified, len(confidences), num_accepted + 1)):
-                obs.append((j, confidences[j], j < num_accepted))
-        self.observe_many(drafter, obs)
+        maps, last = self._drafter(drafter), self.max_positions - 1
+        counts = [max(0, min(v, len(c), a + 1)) for c, v, a in outcomes]  # drafts observed per request
+        n = sum(counts)
+        if n < _OBSERVE_NUMPY_MIN:
+            self._observe_loop(maps, [(min(j, last), c[j], j < a) for (c, _, a), k in zip(outcomes, counts)
+                                      for j in range(k)])
+            return
+        conf = np.fromiter(chain.from_iterable(c[:k] for (c, _, _), k in zip(outcomes, counts)), np.float64,
+                           count=n)  # [n]
+        cnt = np.array(counts)
+        pos = np.arange(n) - (cnt.cumsum() - cnt).repeat(cnt)  # [n] draft position in its request
+        acc = pos < np.array([a for _, _, a in outcomes]).repeat(cnt)
+        self._observe_arrays(maps, np.minimum(pos, last), conf, acc)
+
+    def _observe_loop(self, maps: _DrafterMaps, observations: list[tuple[int, float, bool]]) -> None:
+        """observe_many one observation at a time (few of them); positions clamped to the maps."""
+        rows, nb = maps.rows(), self.num_bins
+        scored = [(p, c, a, _interpolate(rows[p], nb, c)) for p, c, a in observations]
+        for p, c, a, pred in scored:
+            maps.raw.add(min(1.0, max(0.0, c)), a)
+            maps.cal.add(pred, a)
+            maps.add_one(p, c, a)
+
+    def _observe_arrays(self, maps: _DrafterMaps, pos: np.ndarray, conf: np.ndarray, acc: np.ndarray) -> None:
+        """_observe_loop vectorized: positions [N] clamped to the maps, confidences [N], accepted [N] bool."""
+        pred = maps.interpolate(pos, conf)  # [N] against the maps before the step
+        bad = np.flatnonzero(~np.isfinite(conf * self.num_bins))  # no bin: the loop's int() raises there
+        end = int(bad[0]) if len(bad) else len(conf)
+        maps.raw.add_many(clip_unit(conf[:end + 1]), acc[:end + 1])  # (the failing one is scored first)
+        maps.cal.add_many(pred[:end + 1], acc[:end + 1])
+        maps.add(pos[:end], conf[:end], acc[:end])
+        if len(bad):
+            maps.add_one(int(pos[end]), float(conf[end]), bool(acc[end]))  # raises as the loop does
 
     def table(self, drafter: str) -> list[list[float]]:
         """[max_positions][num_bins] calibrated values at bin centres (planner_torch.calibrate_device)."""
-        self._map(drafter, 0)
-        return [list(m.values()) for m in self._maps[drafter]]
+        return [list(r) for r in self._drafter(drafter).rows()]
 
     def stats(self, drafter: str) -> CalibrationStats:
-        raw, cal = self._ece_raw.get(drafter), self._ece_cal.get(drafter)
-        if raw is None:
+        maps = self._maps.get(drafter)
+        if maps is None:
             return CalibrationStats(0, float("nan"), float("nan"), float("nan"))
+        raw, cal = maps.raw, maps.cal
         n = sum(raw.n)
         return CalibrationStats(int(n), raw.ece(), cal.ece(), sum(raw.hit) / n if n else float("nan"))
 

@@ -12,7 +12,7 @@ a linear model over interpretable features, fitted by non-negative least squares
 (composition, measured_ms) samples: a start-up profile, then online from measured step times.
 
 `ExpertEstimator` predicts the distinct-expert feature before routing, from routing statistics; `TokenCostTable`
-is the token-count-only cost of the `budget` baseline (vLLM adaptive verification). Pure Python, no tensors.
+is the token-count-only cost of the `budget` baseline (vLLM adaptive verification). Host Python and numpy, no tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+import numpy as np
 
 # ---------------------------------------------------------------------------------------------------------
 # Shared small pieces
@@ -485,6 +487,7 @@ class TokenCostTable:
     tokens: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     _counts: list[float] = field(default_factory=list, repr=False)
+    _NUMPY_MIN = 64  # costs_ms over at least this many token counts runs in numpy (below: a Python loop is faster)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.step_ms):
@@ -556,6 +559,8 @@ class TokenCostTable:
         ts, ys = self.tokens, self._fitted_ms
         if len(ts) <= 1:
             return [self.cost_ms(n) for n in range(lo, hi + 1)]
+        if hi - lo >= self._NUMPY_MIN:
+            return self.costs_array(lo, hi).tolist()
         slope = self._tail_slope()
         out, i = [], bisect.bisect_left(ts, lo)
         for n in range(lo, hi + 1):
@@ -569,6 +574,22 @@ class TokenCostTable:
                 out.append(ys[i - 1] + (n - ts[i - 1]) / (ts[i] - ts[i - 1]) * (ys[i] - ys[i - 1]))
         return out
 
+    def costs_array(self, lo: int, hi: int) -> np.ndarray:
+        """costs_ms(lo, hi) as a float64 array [hi - lo + 1], with the same arithmetic (equal bit for bit)."""
+        ts, ys = self.tokens, self._fitted_ms
+        if len(ts) <= 1:
+            return np.array([self.cost_ms(n) for n in range(lo, hi + 1)], dtype=np.float64)
+        # per segment i (n in (ts[i-1], ts[i]]): cost = y0 + (n - t0) / dt * dy; segment 0 (n <= ts[0]) is the
+        # constant ys[0] (dy = 0), segment P (beyond the last point) the fitted line (dt = 1, dy = slope)
+        seg = np.array([[0, *ts],  # t0
+                        [1, *(b - a for a, b in zip(ts, ts[1:])), 1],  # dt
+                        [ys[0], *ys],  # y0
+                        [0.0, *(b - a for a, b in zip(ys, ys[1:])), self._tail_slope() if hi > ts[-1] else 0.0]],
+                       dtype=np.float64)  # [4, P + 1]
+        n = np.arange(lo, hi + 1, dtype=np.float64)  # [N]
+        t0, dt, y0, dy = seg[:, np.searchsorted(seg[0, 1:], n)]  # [4, N] segment of each n (first ts[i] >= n)
+        return y0 + (n - t0) / dt * dy
+
     def _tail_slope(self) -> float:
         """Slope of the least-squares line through all points (>= 0): how cost_ms extrapolates."""
         ts, ys = self.tokens, self._fitted_ms
@@ -579,4 +600,4 @@ class TokenCostTable:
 
     def dense_ms(self, max_tokens: int) -> list[float]:
         """cost_ms(t) for t = 0..max_tokens (a lookup table for planner_torch.budget_plan_device)."""
-        return [self.cost_ms(t) for t in range(max_tokens + 1)]
+        return self.costs_ms(0, max_tokens)

@@ -1,4 +1,5 @@
-"""The verification-length planner (host implementation, plain lists) and the `budget` / fixed baselines.
+"""The verification-length planner (host implementation: lists, numpy for large batches) and the `budget` / fixed
+baselines.
 
 Problem. Request i has survival s_ij (j = 1..K, non-increasing: probability that its first j drafts are all
 accepted) and a cap c_i. Choose L_i in [0, cap_i] for all requests jointly to maximize expected goodput
@@ -53,6 +54,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
+from scheduler.calibration import clip_unit, pad_rows
 from scheduler.latency_model import (ExpertEstimator, Footprint, LatencyCoefs, ModelTokenCost, PlanCost,
                                      StepComposition, TokenCostTable)
 
@@ -60,6 +64,8 @@ __all__ = ["Plan", "PlanCost", "budget_plan", "expected_goodput", "fixed_lengths
            "plan_with_experts", "survival_from_acceptance"]
 
 _MIN_ITEM_MS = 1e-9  # marginal costs are clamped to this so ratios are defined
+# inputs with at least this many drafts run in numpy (below: the Python loops, faster there)
+_SURVIVAL_NUMPY_MIN, _BUDGET_NUMPY_MIN = 48, 128
 
 
 @dataclass(frozen=True)
@@ -73,16 +79,23 @@ class Plan:
         return self.expected_tokens / self.step_ms if self.step_ms > 0 else float("inf")
 
 
-def survival_from_acceptance(acceptance: Sequence[Sequence[float]]) -> list[list[float]]:
-    """s_ij = prod_{m<=j} acc_im from per-draft (calibrated, conditional) acceptance probabilities."""
-    out = []
-    for row in acceptance:
-        s, r = 1.0, []
-        for a in row:
-            s *= min(1.0, max(0.0, a))
-            r.append(s)
-        out.append(r)
-    return out
+def survival_from_acceptance(acceptance: Sequence[Sequence[float]] | np.ndarray) -> list[list[float]] | np.ndarray:
+    """s_ij = prod_{m<=j} acc_im from per-draft (calibrated, conditional) acceptance probabilities. Rows may
+    differ in length; a float array [B, K] gives an array [B, K] (cumprod multiplies in the same order)."""
+    if isinstance(acceptance, np.ndarray):
+        return np.cumprod(clip_unit(acceptance), axis=-1)
+    if sum(len(row) for row in acceptance) < _SURVIVAL_NUMPY_MIN:
+        out = []
+        for row in acceptance:
+            s, r = 1.0, []
+            for a in row:
+                s *= min(1.0, max(0.0, a))
+                r.append(s)
+            out.append(r)
+        return out
+    acc, lens = pad_rows(acceptance, 1.0)  # [B, longest]
+    surv = np.cumprod(clip_unit(acc), axis=1).tolist()
+    return surv if min(lens) == max(lens) else [row[:n] for row, n in zip(surv, lens)]
 
 
 def item_costs_ms(cost: PlanCost, num_items: int, expert_increments: Sequence[float] | None) -> list[float]:
@@ -163,14 +176,25 @@ def fixed_lengths(caps: Sequence[int], k: int) -> list[int]:
     return [max(0, min(k, int(c))) for c in caps]
 
 
-def budget_plan(survival: Sequence[Sequence[float]], caps: Sequence[int], table: TokenCostTable | ModelTokenCost,
-                base_tokens: int, base_gain: float | None = None, draft_ms: float = 0.0) -> Plan:
+def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[int],
+                table: TokenCostTable | ModelTokenCost, base_tokens: int, base_gain: float | None = None,
+                draft_ms: float = 0.0) -> Plan:
     """The `budget` baseline (vLLM adaptive verification): choose one batch-wide draft-token budget b
     maximizing (base_gain + sum of the b highest survival scores) / (draft_ms + cost(base_tokens + b)) with a
     token-count-only cost table, and give the b tokens to the highest survival scores (a prefix per request,
     since survival is non-increasing in j). step_ms in the result is the table's estimate.
     For any cost that depends on the step's token count only (a ModelTokenCost: the latency model when every
-    request routes by global popularity) the b highest scores are the best b drafts, so this search is exact."""
+    request routes by global popularity) the b highest scores are the best b drafts, so this search is exact.
+
+    survival: [B][K_i] lists or a float array [B, K]. Scores rank by (-s_ij, i, j); of equal ratios the
+    smallest budget wins. From _BUDGET_NUMPY_MIN drafts on (or for an array) the search runs in numpy, with the
+    loop's arithmetic (the costs from table.costs_array where the table has one, else table.costs_ms)."""
+    if isinstance(survival, np.ndarray) and survival.size < _BUDGET_NUMPY_MIN:
+        survival = survival.tolist()  # (a few drafts: the loop)
+    if isinstance(survival, np.ndarray) or sum(len(row) for row in survival) >= _BUDGET_NUMPY_MIN:
+        plan = _budget_plan_numpy(survival, caps, table, base_tokens, base_gain, draft_ms)
+        if plan is not None:
+            return plan
     caps = _clip_caps(survival, caps)
     items = sorted((-float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap))  # best first
     gain0 = float(len(survival)) if base_gain is None else float(base_gain)
@@ -187,6 +211,44 @@ def budget_plan(survival: Sequence[Sequence[float]], caps: Sequence[int], table:
         lengths[i] = max(lengths[i], j + 1)
         gain -= neg_s
     return Plan(lengths, gain, draft_ms + costs[best_b])
+
+
+def _budget_plan_numpy(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[int],
+                       table: TokenCostTable | ModelTokenCost, base_tokens: int, base_gain: float | None,
+                       draft_ms: float) -> Plan | None:
+    """budget_plan's search vectorized; None where NaN ratios leave the choice to the loop."""
+    B = len(survival)
+    if len(caps) != B:
+        raise ValueError(f"caps ({len(caps)}) and survival ({B}) must have one entry per request")
+    if isinstance(survival, np.ndarray):
+        S, lens = survival.astype(np.float64, copy=False), survival.shape[1]
+    else:
+        S, lens = pad_rows(survival)  # [B, K]
+        lens = np.array(lens)
+    K = S.shape[1]
+    cap = np.minimum(np.maximum(np.array(caps).astype(np.intp), 0), lens)  # [B] _clip_caps
+    full = bool((cap == K).all())
+    idx = None if full else np.flatnonzero(np.arange(K) < cap[:, None])  # [N] flat index of each score
+    s = S.reshape(-1) if full else S.reshape(-1)[idx]  # [N] in (i, j) order
+    order = np.argsort(-s, kind="stable")  # [N] best first, ties in (i, j) order
+    gains = np.empty(len(s) + 1)  # [N + 1] gain of the budgets b = 0..N: running sums as the loop's
+    gains[0] = float(B) if base_gain is None else float(base_gain)
+    gains[1:] = s[order]
+    np.cumsum(gains, out=gains)
+    costs_array = getattr(table, "costs_array", None)
+    lo, hi = base_tokens, base_tokens + len(s)
+    costs = costs_array(lo, hi) if costs_array is not None else np.array(table.costs_ms(lo, hi), np.float64)
+    den = draft_ms + costs  # [N + 1]
+    if not den.all():
+        raise ZeroDivisionError("float division by zero")
+    ratio = gains / den
+    best = int(ratio.argmax())  # the first maximum: the loop's strict `r > best_r`
+    if ratio[best] != ratio[best]:  # (argmax stops at a NaN)
+        return None
+    chosen = order[:best] if full else idx[order[:best]]  # flat indices i * K + j
+    lengths = np.zeros(B, dtype=np.intp)
+    np.maximum.at(lengths, chosen // K, chosen % K + 1)
+    return Plan(lengths.tolist(), float(gains[best]), float(den[best]))
 
 
 def plan_with_experts(survival: Sequence[Sequence[float]], caps: Sequence[int], coefs: LatencyCoefs,

@@ -272,8 +272,8 @@ class LengthPolicy:
         caps = [min(c, len(conf)) for c, conf in zip(caps, confidences)]
         if self.name == "fixed" or not self.warm():
             return fixed_lengths(caps, self.max_verify_len)
-        acc = [self.calibrator.calibrate_row(drafter, conf) for conf in confidences]
-        survival = survival_from_acceptance(acc)
+        # [B, K] calibrated acceptance (0 past each request's drafts: caps are clipped to them) -> survival
+        survival = survival_from_acceptance(self.calibrator.calibrate_array(drafter, confidences))
         if self.name == "budget":
             plan = budget_plan(survival, caps, self.token_costs, sum(tokens))
             self._predicted_ms = plan.step_ms
