@@ -35,7 +35,7 @@ from scheduler.types import SamplingParams, StepRequest  # noqa: E402
 from workers.bench_model import build_bench_model, qwen36_35b_a3b_config  # noqa: E402
 from workers.cache import ModelCache  # noqa: E402
 from workers.config import ModelConfig  # noqa: E402
-from workers.drafters import REPLAY_CONFIDENCE, DraftModelDrafter, ReplayDrafter  # noqa: E402
+from workers.drafters import REPLAY_CONFIDENCE, REPLAY_DRAWS, DraftModelDrafter, ReplayDrafter  # noqa: E402
 from workers.model import HybridModel  # noqa: E402
 from workers.random_init import init_random_  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
@@ -253,11 +253,18 @@ def main() -> None:
                     help="noise: every draft equally likely right, confidence uninformative; beta: per-token "
                          "acceptance ~ Beta(mean acceptance), the confidence reports it (workers/drafters.py)")
     ap.add_argument("--replay-concentration", type=float, default=2.0, help="Beta concentration (beta confidence)")
+    ap.add_argument("--replay-draws", default="auto", choices=("auto",) + REPLAY_DRAWS,
+                    help="common: a draft's right/wrong fixed per (request, position), the same for every policy "
+                         "(common random numbers; noise confidence only); stream: drawn in turn; auto: common "
+                         "with noise confidence, stream with beta")
+
     ap.add_argument("--profile", type=int, default=1,
                     help="run the start-up profile before budget/hybridspec (1, as the engine does on CUDA) or not (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
+    draws = args.replay_draws if args.replay_draws != "auto" else \
+        ("common" if args.replay_confidence == "noise" else "stream")
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -290,7 +297,7 @@ def main() -> None:
                       "dtype": str(dtype), "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len,
                       "max_new": max_new_of, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
                       "startup_profile": bool(args.profile), "replay_confidence": args.replay_confidence,
-                      "replay_concentration": args.replay_concentration,
+                      "replay_concentration": args.replay_concentration, "replay_draws": draws,
                       "drafter": "replay (DFlash-shaped cost: "
                       f"{args.drafter_layers} layers at hidden {cfg.hidden_size}, one forward of the drafted block)"}
     for conc in concurrencies:
@@ -313,7 +320,8 @@ def main() -> None:
             if time.perf_counter() - t_start > args.time_limit_s:
                 break
             replay = ReplayDrafter(acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost,
-                                   confidence=args.replay_confidence, concentration=args.replay_concentration)
+                                   confidence=args.replay_confidence, concentration=args.replay_concentration,
+                                   draws=draws)
             for p, cont in zip(prompts, ar.tokens):
                 replay.set_reference(p, cont + [0] * (max_k + 2))  # room to draft past the end (never accepted)
             for policy in policies:

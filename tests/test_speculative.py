@@ -379,3 +379,34 @@ def test_replay_drafter_confidence_models():
         ReplayDrafter(0.7, 10, confidence="oracle")
     with pytest.raises(ValueError, match="replay concentration must be > 0"):
         ReplayDrafter(0.7, 10, confidence="beta", concentration=0.0)
+
+
+def test_replay_drafter_common_draws_fix_each_positions_outcome():
+    """draws='common': the draft for position t of a request is right or wrong whatever was drawn before (two
+    policies drafting different lengths meet the same outcomes), at the acceptance rate overall, with
+    uninformative confidences; other requests get other outcomes; beta confidences refuse it."""
+    from workers.drafters import DraftRequest, ReplayDrafter
+
+    ref = list(range(1, 3001))
+
+    def outcomes(d, rid, start, k):
+        prop = d.propose([DraftRequest(rid, [0] + ref[:start], start + 1, [], 0, k, SamplingParams())])
+        return [t == r for t, r in zip(prop.tokens[0], ref[start:])], prop.confidence[0]
+
+    a = ReplayDrafter(0.7, 5000, seed=3, draws="common")
+    b = ReplayDrafter(0.7, 5000, seed=3, draws="common")
+    for d in (a, b):
+        d.set_reference([0], ref)
+    outcomes(b, "r0", 0, 7)  # b's random stream moves on; its outcomes must not
+    right_a, conf = outcomes(a, "r0", 10, 2500)
+    right_b = outcomes(b, "r0", 10, 16)[0] + outcomes(b, "r0", 26, 2484)[0]
+    assert right_a == right_b
+    assert abs(sum(right_a) / len(right_a) - 0.7) < 0.03
+    mean_right = sum(c for c, ok in zip(conf, right_a) if ok) / sum(right_a)
+    mean_wrong = sum(c for c, ok in zip(conf, right_a) if not ok) / (len(right_a) - sum(right_a))
+    assert abs(mean_right - mean_wrong) < 0.02
+    assert outcomes(a, "r1", 10, 200)[0] != right_a[:200]  # another request: other outcomes
+    with pytest.raises(ValueError, match="replay draws must be one of"):
+        ReplayDrafter(0.7, 10, draws="crn")
+    with pytest.raises(ValueError, match="needs confidence='noise'"):
+        ReplayDrafter(0.7, 10, confidence="beta", draws="common")
