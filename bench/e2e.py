@@ -327,8 +327,10 @@ def main() -> None:
             for policy in policies:
                 k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
                 runner.drafter = replay
-                runner.set_policy(policy if not policy.startswith("fixed") else "fixed", k)
-                if args.profile and policy in ("budget", "hybridspec"):
+                runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
+                if policy == "hybridspec-noextra":  # hybridspec without the router correction's extra token
+                    runner.policy.disable_router_correction()
+                if args.profile and policy.split("-")[0] in ("budget", "hybridspec"):
                     runner.profile(conc)  # the engine's start-up profile (EngineConfig.startup_profile, on CUDA)
                 # warm-up: captures this policy's graph buckets, refines its latency model and calibration
                 serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy, keep_policy=True)
@@ -348,7 +350,9 @@ def main() -> None:
                 for key in ("plan_step_bias_pct", "plan_step_abs_pct"):
                     if key in pstats:
                         row[key] = pstats[key]
-                if policy == "hybridspec":  # its forward cost at the cell's batch size: points and profile scale
+                if runner.policy.extra_keep:  # the router correction's (kept, sent) extra tokens, decayed, per bucket
+                    row["extra_keep"] = {b: list(v) for b, v in runner.policy.extra_keep.items()}
+                if policy.startswith("hybridspec"):  # its forward cost at the cell's batch size, profile scale
                     table = runner.policy.cost_table(conc)
                     if table is not None:
                         row["cost_table_ms"] = {t: table.cost_ms(t) for t in table.tokens}

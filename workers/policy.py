@@ -195,6 +195,7 @@ class LengthPolicy:
         self._pending_steps = 0
         self._distinct: list[float] | None = None  # expected distinct experts of n globally routed tokens
         self.gate = SpeculationGate() if name == "hybridspec" else None
+        self.router_correction = True  # hybridspec: the extra token up to the first MoE router
         # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
         self.draft_overhead_ms: dict[int, float] = {}
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
@@ -204,7 +205,11 @@ class LengthPolicy:
 
     @property
     def uses_extra_token(self) -> bool:
-        return self.name == "hybridspec"
+        return self.name == "hybridspec" and self.router_correction
+
+    def disable_router_correction(self) -> None:
+        """hybridspec without the extra token (benchmarks measure what it brings)."""
+        self.router_correction = False
 
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
