@@ -87,6 +87,7 @@ class _Graph:
     stage_host: Tensor  # [M] int64 (pinned on CUDA): every input of a step, laid out as `layout` says
     stage_dev: Tensor  # [M] int64 on the device; the graph copies its slices into the typed inputs
     layout: "_Layout"
+    plain: bool = False  # a plain-decode bucket (max block 1): no router correction, no routing counts
     forward: torch.cuda.CUDAGraph | None = None
     commit: torch.cuda.CUDAGraph | None = None
     staged: torch.cuda.Event | None = None  # the last host -> device copy of the staging buffer
@@ -184,7 +185,7 @@ class StepGraphs:
                    logits=self.logits_out[:nb], hidden=self.hidden_out[:nb] if self.hidden_out is not None else None,
                    stage_host=torch.zeros(layout.size, dtype=i64, pin_memory=pinned),
                    stage_dev=torch.zeros(layout.size, dtype=i64, device=device), layout=layout,
-                   staged=torch.cuda.Event() if pinned else None)
+                   plain=key.max_block == 1, staged=torch.cuda.Event() if pinned else None)
         # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
         # requests, on the spare page and slot
         self._stage(g, key, [], [], [], [], [], [])
@@ -227,8 +228,10 @@ class StepGraphs:
 
     def _forward(self, g: _Graph, keep_scratch: bool = True) -> None:
         self._unpack(g)
-        g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token else None, row_mask=g.row_mask,
-                           collect_counts=self.collect_counts)
+        # plain decode (hybridspec's gate chose no drafts): no extra token to correct, and the routing counts come
+        # from verification steps (a plain step in hybridspec's set costs what one in ar's does)
+        g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token and not g.plain else None,
+                           row_mask=g.row_mask, collect_counts=self.collect_counts and not g.plain)
         scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph
         out = self.model(g.batch, self.cache, None, write=g.write, scratch=scratch,
                          return_hidden=self.return_hidden, moe=g.moe, all_rows_into=g.logits)
