@@ -20,16 +20,11 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import drafter_model, git_commit, serve, tiny_config  # noqa: E402
-from workers.bench_model import build_bench_model  # noqa: E402
-from workers.cache import ModelCache  # noqa: E402
-from workers.drafters import DraftModelDrafter, ReplayDrafter  # noqa: E402
-from workers.runner import ModelRunner  # noqa: E402
+from bench.cell import build_cell  # noqa: E402
+from bench.e2e import git_commit  # noqa: E402
 
 # the runner's parts: (label, the function's file suffix and name as pstats keys them)
 PARTS = (("execute (whole step)", "workers/runner.py", "execute"),
@@ -69,41 +64,17 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(0)
-    target = build_bench_model(config=tiny_config(), dtype=dtype, device=device, decisive=True) if args.tiny else \
-        build_bench_model(num_layers=args.layers, routing="zipf", dtype=dtype, device=device, decisive=True)
-    cfg, page_size, conc = target.config, 16, args.concurrency
-    pages_per_req = -(-(args.prompt_len + args.max_new + 20) // page_size)
-    num_pages = conc * pages_per_req
-    cache = ModelCache(cfg, num_pages + 1, page_size, conc + 1, dtype, device)
-    drafter_cost = DraftModelDrafter(drafter_model(cfg, 2, dtype, device), num_pages, page_size, conc)
-    runner = ModelRunner(target, cache)
-    why = runner.enable_graphs(conc, pages_per_req, warm=False, capture=device == "cuda")
-    assert why is None, why
-    drafter_cost.enable_graphs(conc, pages_per_req, 17, capture=device == "cuda")
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(conc)]
-    runner.drafter = None
-    serve(runner, prompts, 16, 0, page_size, num_pages, "ar")  # warm-up
-    ar = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar")
+    cell = build_cell(args.layers, args.tiny, args.concurrency, args.prompt_len, args.max_new)
+    device, conc, ar = cell.device, args.concurrency, cell.ar
     report, text = {"commit": git_commit(), "device": device, "concurrency": conc, "acceptance": args.acceptance,
                     "policies": {}}, []
     for policy in args.policies.split(","):
-        replay = ReplayDrafter(args.acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost)
-        for p, cont in zip(prompts, ar.tokens):
-            replay.set_reference(p, cont + [0] * 20)
-        runner.drafter = replay
-        runner.set_policy(policy if not policy.startswith("fixed") else "fixed",
-                          int(policy[5:]) if policy.startswith("fixed") else 16)
-        if policy in ("budget", "hybridspec"):
-            runner.profile(conc)
-        serve(runner, prompts, 32, 16, page_size, num_pages, policy, keep_policy=True)  # warm-up
-        plain = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
+        k = cell.use_policy(policy, args.acceptance)
+        cell.serve(policy, 32, k)  # warm-up
+        plain = cell.serve(policy, args.max_new, k)
         prof = cProfile.Profile()
         prof.enable()
-        res = serve(runner, prompts, args.max_new, 16, page_size, num_pages, policy, keep_policy=True)
+        res = cell.serve(policy, args.max_new, k)
         prof.disable()
         stats = pstats.Stats(prof)
         parts = part_ms(stats, res.steps)

@@ -27,10 +27,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import drafter_model, git_commit, serve, tiny_config  # noqa: E402
 import workers.runner as runner_mod  # noqa: E402
-from workers.bench_model import build_bench_model  # noqa: E402
-from workers.cache import ModelCache  # noqa: E402
+from bench.cell import build_cell  # noqa: E402
+from bench.e2e import git_commit  # noqa: E402
 from workers.drafters import DraftModelDrafter, ReplayDrafter  # noqa: E402
 from workers.graphs import StepGraphs  # noqa: E402
 from workers.policy import LengthPolicy  # noqa: E402
@@ -175,43 +174,18 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(0)
-    target = build_bench_model(config=tiny_config(), dtype=dtype, device=device, decisive=True) if args.tiny else \
-        build_bench_model(num_layers=args.layers, routing="zipf", dtype=dtype, device=device, decisive=True)
-    cfg, page_size, conc = target.config, 16, args.concurrency
-    pages_per_req = -(-(args.prompt_len + args.max_new + 20) // page_size)
-    num_pages = conc * pages_per_req
-    cache = ModelCache(cfg, num_pages + 1, page_size, conc + 1, dtype, device)
-    drafter_cost = DraftModelDrafter(drafter_model(cfg, 2, dtype, device), num_pages, page_size, conc)
-    runner = ModelRunner(target, cache)
-    why = runner.enable_graphs(conc, pages_per_req, warm=False, capture=device == "cuda")
-    assert why is None, why
-    drafter_cost.enable_graphs(conc, pages_per_req, 17, capture=device == "cuda")
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(conc)]
-    runner.drafter = None
-    serve(runner, prompts, 16, 0, page_size, num_pages, "ar")  # warm-up
-    ar = serve(runner, prompts, args.max_new, 0, page_size, num_pages, "ar")
+    cell = build_cell(args.layers, args.tiny, args.concurrency, args.prompt_len, args.max_new)
+    device, conc, ar = cell.device, args.concurrency, cell.ar
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     labels = [p[0] for p in PARTS]
     report = {"commit": git_commit(), "device": device, "concurrency": conc, "acceptance": args.acceptance,
               "policies": {}}
     for policy in args.policies.split(","):
-        k = int(policy[5:]) if policy.startswith("fixed") else 16
-        replay = ReplayDrafter(args.acceptance, cfg.vocab_size, seed=7, cost_model=drafter_cost)
-        for p, cont in zip(prompts, ar.tokens):
-            replay.set_reference(p, cont + [0] * 20)
-        runner.drafter = replay
-        runner.set_policy(policy if not policy.startswith("fixed") else "fixed", k)
-        if policy in ("budget", "hybridspec"):
-            runner.profile(conc)
-        max_draft = 0 if policy == "ar" else k
-        serve(runner, prompts, 32, max_draft, page_size, num_pages, policy, keep_policy=True)  # warm-up
+        max_draft = cell.use_policy(policy, args.acceptance)
+        cell.serve(policy, 32, max_draft)  # warm-up
         CAPTURED.clear()
         with labelled_parts(), profile(activities=activities) as prof:
-            res = serve(runner, prompts, args.max_new, max_draft, page_size, num_pages, policy, keep_policy=True)
+            res = cell.serve(policy, args.max_new, max_draft)
             if device == "cuda":
                 torch.cuda.synchronize()
         with tempfile.TemporaryDirectory() as tmp:
