@@ -546,6 +546,29 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
     assert rate(long, 7.0) >= max(rate([k], 7.0) for k in range(9)) * (1 - 1e-12)
 
 
+def test_the_plans_whole_step_prediction_error_is_reported():
+    """Each drafted step's planned ms against its measured ms (signed and absolute, in the policy's stats); a plain
+    step after a plan (the gate said no) leaves no sample and clears the prediction."""
+    from workers.config import ModelConfig
+    from workers.policy import LengthPolicy
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
+    assert "plan_step_bias_pct" not in policy.stats()
+    policy._plan_hybridspec([[0.6 ** (j + 1) for j in range(8)]], [8], [1], [100])
+    predicted = policy._predicted_ms
+    assert predicted > 4.0
+    policy.observe_outcome(1, True, 3, step_ms=2 * predicted, forward_ms=predicted)  # twice as long as planned
+    stats = policy.stats()
+    assert stats["plan_step_bias_pct"] == pytest.approx(-50.0) and stats["plan_step_abs_pct"] == pytest.approx(50.0)
+    policy._plan_hybridspec([[0.6 ** (j + 1) for j in range(8)]], [8], [1], [100])
+    policy.observe_outcome(1, False, 1, step_ms=5.0)  # not drafted: no sample
+    assert len(policy.plan_errors) == 1 and policy._predicted_ms is None
+
+
 def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     """hybridspec's step cost: the forward ms it measured by token count at the batch's size bucket once it has
     two token counts there (the linear model misses graph-bucket steps), the latency model before and at batch

@@ -295,6 +295,10 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance):
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
     graphs = llm.engine.executor.runner.step_graphs()
     assert {k.max_block for k in graphs.graphs} == {1, 7}  # plain decode and verification buckets both ran
+    if policy == "hybridspec":  # plain buckets skip the router correction and the routing counts
+        for key, g in graphs.graphs.items():
+            assert g.plain == (key.max_block == 1)
+            assert (g.moe.token_mask is g.moe.row_mask) == g.plain and bool(g.moe.expert_counts) != g.plain
 
 
 def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, perturbed_dir):
