@@ -35,12 +35,14 @@ class Cell:
         return replay
 
     def use_policy(self, policy: str, acceptance: float) -> int:
-        """The runner takes `policy` (fixedK, budget, hybridspec, ar) with a fresh replay drafter; learned policies
-        run the start-up profile first. -> the draft cap of its runs."""
+        """The runner takes `policy` (fixedK, budget, hybridspec[-noextra], ar) with a fresh replay drafter;
+        learned policies run the start-up profile first. -> the draft cap of its runs."""
         k = int(policy[5:]) if policy.startswith("fixed") else 16
         self.runner.drafter = self.replay(acceptance)
-        self.runner.set_policy("fixed" if policy.startswith("fixed") else policy, k)
-        if policy in ("budget", "hybridspec"):
+        self.runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
+        if policy == "hybridspec-noextra":  # hybridspec without the router correction's extra token
+            self.runner.policy.disable_router_correction()
+        if policy.split("-")[0] in ("budget", "hybridspec"):
             self.runner.profile(len(self.prompts))
         return 0 if policy == "ar" else k
 

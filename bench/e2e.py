@@ -265,6 +265,8 @@ def main() -> None:
     t_start = time.perf_counter()
     draws = args.replay_draws if args.replay_draws != "auto" else \
         ("common" if args.replay_confidence == "noise" else "stream")
+    if draws == "common" and args.replay_confidence != "noise":  # (before any cell runs)
+        ap.error("--replay-draws common needs --replay-confidence noise")
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)

@@ -106,7 +106,8 @@ def analyse(trace: dict, labels: list[str], skip: set[int] | None = None) -> dic
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     notes = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
     runtime = {e["args"]["correlation"]: e["ts"] for e in events
-               if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+               if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and "correlation" in e.get("args", {})}  # (eager Triton launches are driver calls)
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     steps = sorted((e for e in notes if e["name"] == STEP), key=lambda e: e["ts"])
     starts = [e["ts"] for e in steps]

@@ -46,6 +46,10 @@ from kernels.gdn import gdn_commit_ref, gdn_recurrent_ref
 VERIFY_BV = int(os.environ.get("HYBRIDSPEC_GDN_BV", "64"))  # block kernel, B > 1 (B = 1, T <= 16: 32)
 VERIFY_WARPS = int(os.environ.get("HYBRIDSPEC_GDN_WARPS", "4"))
 SEQ_BV, SEQ_WARPS = 16, 1  # sequential kernel
+# the sequential commit from this many requests on (bench/gdn_commit.py --sweep, 7f99428): at B=64, T=17 bv=32 with
+# 2 warps took 82 / 86 / 112 / 216 us for 1 / 2.2 / 5.5 / 17 kept tokens against 130 / 131 / 133 / 235 with
+# (16, 1); at B=16 (16, 1) stays (30 vs 34 us at 7.2 kept). B=32 was not measured: the threshold is a guess.
+COMMIT_WIDE_FROM, COMMIT_WIDE_BV, COMMIT_WIDE_WARPS = 32, 32, 2
 CHUNK_BT = 16  # prefill: blocks of 16 walked in order (measured: 16 < 32 < 64 in time; same result as chunks of 64)
 CHUNK_BV = 64
 CHUNK_WARPS = 4
@@ -527,7 +531,9 @@ def gdn_commit_triton(
         heads_k, dim_k = k.shape[1], k.shape[2]
         heads_v, dim_v = v.shape[1], v.shape[2]
         bk = max(16, triton.next_power_of_2(dim_k))
-        bvv = min(bv or SEQ_BV, triton.next_power_of_2(dim_v))
+        wide = slots.shape[0] >= COMMIT_WIDE_FROM  # many requests: wider tiles, fewer programs
+        bvv = min(bv or (COMMIT_WIDE_BV if wide else SEQ_BV), triton.next_power_of_2(dim_v))
+        num_warps = num_warps or (COMMIT_WIDE_WARPS if wide else SEQ_WARPS)
         if slots.shape[0] == 0:
             return
         assert state.is_contiguous() and state.dtype == torch.float32 and dim_k == bk and dim_v % bvv == 0
@@ -537,8 +543,7 @@ def gdn_commit_triton(
             k, v, g, beta, cu_seqlens, keep_lens, desc, slots,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
             beta.stride(1),
-            HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BK=bk, BV=bvv, L2NORM=use_qk_l2norm,
-            num_warps=num_warps or SEQ_WARPS,
+            HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BK=bk, BV=bvv, L2NORM=use_qk_l2norm, num_warps=num_warps,
         )
         return
     if impl != "block":

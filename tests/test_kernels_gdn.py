@@ -102,6 +102,10 @@ def case_commit():
             gdn_commit_ref(k, v, g, beta, cu, keep_t, s_ref, slots, 17)
             gdn_commit_triton(k, v, g, beta, cu, keep_t, s_tri, slots, 17, impl=impl)
             errs[f"{impl}/keep{keep}/state"] = _rel(s_tri, s_ref)
+            if impl == "seq":  # the wide tiles of many-request commits (COMMIT_WIDE_*)
+                s_wide = state.clone()
+                gdn_commit_triton(k, v, g, beta, cu, keep_t, s_wide, slots, 17, bv=32, num_warps=2)
+                errs[f"seq_wide/keep{keep}/state"] = _rel(s_wide, s_ref)
     return errs
 
 

@@ -281,7 +281,7 @@ def test_token_cost_table_empty_raises():
 
 
 def test_costs_ms_result_is_a_mutable_list():
-    """workers/policy.py SlopeFloor writes into costs_ms's result."""
+    """costs_ms keeps returning a fresh list on both of its paths (callers may index, slice or write into it)."""
     table = TokenCostTable.fit([(1, 3.0), (64, 4.0), (256, 9.0)])
     for hi in (10, 500):
         out = table.costs_ms(0, hi)

@@ -34,8 +34,8 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
 COUNTS_FOLD_EVERY = 32
 COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
-OVERHEAD_ALPHA = 0.1
-PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count  # EWMA weight of a drafted step's measured overhead beyond the forward
+OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
+PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 
@@ -48,7 +48,8 @@ class SlopeFloor:
     floor: float
 
     def costs_ms(self, lo: int, hi: int) -> np.ndarray:
-        """[cost(n) for n in lo..hi]: out[i] = max over j <= i of table[j] + (i - j) floor (a running max)."""
+        """[cost(n) for n in lo..hi]: out[i] = max over j <= i of table[j] + (i - j) floor (a running max; equal to
+        the sequential out[i] = max(out[i], out[i-1] + floor) up to the last bits of a float)."""
         out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
         step = self.floor * np.arange(out.shape[0], dtype=np.float64)
         return np.maximum.accumulate(out - step) + step
@@ -193,6 +194,7 @@ class LengthPolicy:
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
         self._pending_counts: torch.Tensor | None = None  # [MoE layers, E] routed tokens since the last fold
         self._pending_steps = 0
+        self._counted_steps = 0
         self._distinct: list[float] | None = None  # expected distinct experts of n globally routed tokens
         self.gate = SpeculationGate() if name == "hybridspec" else None
         self.router_correction = True  # hybridspec: the extra token up to the first MoE router
@@ -355,8 +357,11 @@ class LengthPolicy:
         marginal = self._dense_token_ms(cost, total)
         kept, sent = self.extra_keep.get(SpeculationGate.bucket(len(lengths)), EXTRA_KEEP_PRIOR)
         p_keep = kept / sent
-        return {i for i in candidates
-                if p_keep * survival[i][lengths[i]] * plan.step_ms > marginal * plan.expected_tokens}
+        chosen = {i for i in candidates
+                  if p_keep * survival[i][lengths[i]] * plan.step_ms > marginal * plan.expected_tokens}
+        if self._predicted_ms is not None:  # the step's prediction includes its extra rows' dense work
+            self._predicted_ms += marginal * len(chosen)
+        return chosen
 
     def _dense_token_ms(self, cost: "SlopeFloor | ModelTokenCost", total: int) -> float:
         """ms of one more token at this step's token count without new experts: the cost's measured slope less
@@ -391,7 +396,9 @@ class LengthPolicy:
             self.calibrator.observe_step(drafter, obs.verified)
         # routing popularity, sampled every COUNTS_SAMPLE_EVERY-th step: summed on the device, folded in every
         # COUNTS_FOLD_EVERY samples
-        if expert_counts and self.steps % COUNTS_SAMPLE_EVERY == 0:
+        if expert_counts:
+            self._counted_steps += 1  # steps that carry counts (verification steps; plain graphs collect none)
+        if expert_counts and self._counted_steps % COUNTS_SAMPLE_EVERY == 1:
             stacked = torch.stack(expert_counts)  # [MoE layers, E] (a copy: graph outputs are overwritten)
             if self._pending_counts is None:
                 self._pending_counts, self._pending_steps = stacked, 0
