@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,6 +118,13 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """_mix64 elementwise on uint64 (products wrap mod 2^64, as the masked Python ints)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class ReplayDrafter(Drafter):
     """Benchmarks only. For a request whose prompt has a reference continuation, proposes the reference's next
     tokens; each is kept right with probability p, else replaced by a different token, so the mean per-token
@@ -152,8 +161,11 @@ class ReplayDrafter(Drafter):
         self.acceptance, self.vocab, self.noise = acceptance, vocab_size, noise
         self.confidence, self.concentration = confidence, concentration
         self.rng = random.Random(seed)
+        self.np_rng = np.random.default_rng(seed)  # draws="common": the confidences' noise
         self.references: dict[tuple[int, ...], list[int]] = {}
-        self._matched: dict[str, tuple[int, list[int]] | None] = {}
+        # request -> [prompt length, reference continuation, output tokens checked against it] (None: no reference)
+        self._matched: dict[str, list | None] = {}
+        self._keys: dict[str, int] = {}  # request -> its common-draws key
         self.cost_model = cost_model
 
     def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
@@ -164,23 +176,29 @@ class ReplayDrafter(Drafter):
     def set_reference(self, prompt_ids: list[int], continuation: list[int]) -> None:
         self.references[tuple(prompt_ids)] = list(continuation)
 
-    def _reference_for(self, request_id: str, tokens: list[int]) -> list[int] | None:
-        """The rest of the reference, while the request's output still follows it."""
-        if request_id not in self._matched:  # found once per request, then O(1)
-            self._matched[request_id] = next(((len(p), c) for p, c in self.references.items()
-                                              if tuple(tokens[:len(p)]) == p), None)
-        found = self._matched[request_id]
-        if found is None:
+    def _reference_for(self, request_id: str, tokens: list[int], k: int) -> list[int] | None:
+        """The next k tokens of the reference, while the request's output still follows it (the output is checked
+        against the reference once per token: rolled-back tokens are checked again, nothing is rescanned)."""
+        if request_id not in self._matched:  # found once per request
+            found = next(((len(p), c) for p, c in self.references.items() if tuple(tokens[:len(p)]) == p), None)
+            self._matched[request_id] = None if found is None else [found[0], found[1], 0]
+        state = self._matched[request_id]
+        if state is None:
             return None
-        n, cont = found
+        n, cont, checked = state  # `checked` output tokens known to follow the reference
         done = len(tokens) - n
-        if done > len(cont) or tokens[n:] != cont[:done]:
+        if done > len(cont):
+            return None
+        checked = min(checked, done)
+        if tokens[n + checked:] != cont[checked:done]:
             return None  # diverged from the reference
-        return cont[done:]
+        state[2] = done
+        return cont[done:done + k]
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._matched.pop(rid, None)
+            self._keys.pop(rid, None)
 
     def _token_acceptance(self) -> float:
         a = self.acceptance
@@ -188,29 +206,52 @@ class ReplayDrafter(Drafter):
             return a
         return self.rng.betavariate(a * self.concentration, (1.0 - a) * self.concentration)
 
-    def _common_draw(self, request_id: str, position: int) -> tuple[bool, int]:
-        """(right, offset of a wrong token) of the draft at `position`, fixed by (seed, request, position)."""
-        key = _mix64(zlib.crc32(request_id.encode()) ^ (self.seed * 0x9E3779B97F4A7C15 & _MASK64))
-        x = _mix64(key ^ (position * 0xD1B54A32D192ED03 & _MASK64))
-        return (x >> 11) / float(1 << 53) < self.acceptance, _mix64(x) % (self.vocab - 1)
+    def _request_key(self, request_id: str) -> int:
+        key = self._keys.get(request_id)
+        if key is None:
+            key = self._keys[request_id] = _mix64(zlib.crc32(request_id.encode())
+                                                  ^ (self.seed * 0x9E3779B97F4A7C15 & _MASK64))
+        return key
+
+    def _propose_common(self, requests: list[DraftRequest]) -> tuple[list[list[int]], list[list[float]]]:
+        """draws="common" for every draft of the step at once (numpy): the draft at position t of a request is
+        right iff mix(key, t) < acceptance, a wrong one is the reference token + 1 + mix(mix(key, t)) mod (V - 1);
+        the confidences are acceptance + N(0, noise) from the drafter's own stream."""
+        aheads = [self._reference_for(r.request_id, r.token_ids, r.k) or [] for r in requests]
+        lens = [len(a) for a in aheads]
+        n = sum(lens)
+        if n == 0:
+            return [[] for _ in requests], [[] for _ in requests]
+        keys = np.repeat(np.array([self._request_key(r.request_id) for r in requests], dtype=np.uint64), lens)
+        first = np.repeat(np.array([len(r.token_ids) for r in requests], dtype=np.int64), lens)  # [n]
+        starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)  # [n] each draft's request's first flat index
+        pos = (first + np.arange(n) - starts).astype(np.uint64)  # [n] absolute positions
+        x = _mix64_np(keys ^ (pos * np.uint64(0xD1B54A32D192ED03)))  # [n]
+        right = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < self.acceptance
+        ref = np.fromiter(itertools.chain.from_iterable(aheads), np.int64, count=n)
+        wrong = (ref + 1 + (_mix64_np(x) % np.uint64(self.vocab - 1)).astype(np.int64)) % self.vocab
+        toks = np.where(right, ref, wrong).tolist()
+        conf = np.clip(self.acceptance + self.np_rng.normal(0.0, self.noise, n), 0.0, 1.0).tolist()
+        bounds = np.cumsum([0] + lens).tolist()
+        return ([toks[lo:hi] for lo, hi in zip(bounds, bounds[1:])],
+                [conf[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        tokens, conf = [], []
-        for r in requests:
-            ahead = self._reference_for(r.request_id, r.token_ids) or []
-            out, c = [], []
-            for j in range(min(r.k, len(ahead))):
-                p = self._token_acceptance()
-                if self.draws == "common":
-                    right, offset = self._common_draw(r.request_id, len(r.token_ids) + j)
-                else:
+        if self.draws == "common":
+            tokens, conf = self._propose_common(requests)
+        else:
+            tokens, conf = [], []
+            for r in requests:
+                ahead = self._reference_for(r.request_id, r.token_ids, r.k) or []
+                out, c = [], []
+                for j in range(min(r.k, len(ahead))):
+                    p = self._token_acceptance()
                     right = self.rng.random() < p
-                    offset = None if right else self.rng.randrange(self.vocab - 1)
-                tok = ahead[j] if right else (ahead[j] + 1 + offset) % self.vocab
-                out.append(tok)
-                c.append(min(1.0, max(0.0, p + self.rng.gauss(0.0, self.noise))))
-            tokens.append(out)
-            conf.append(c)
+                    tok = ahead[j] if right else (ahead[j] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                    out.append(tok)
+                    c.append(min(1.0, max(0.0, p + self.rng.gauss(0.0, self.noise))))
+                tokens.append(out)
+                conf.append(c)
         if self.cost_model is not None:
             self.cost_model.spend_forward(requests, tokens)
         return Proposal(tokens, conf, [None] * len(requests))
