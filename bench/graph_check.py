@@ -37,7 +37,9 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                     help="fp32 with --decisive 0: tokens depend on every layer's state, and fp32 rounding rarely "
-                         "flips a greedy token, so a wrong state or input shows as a divergence")
+                         "flips a greedy token, so a wrong state or input shows as a divergence (CPU / small "
+                         "shapes: on the H200 at the bench shapes a Triton kernel needs more shared memory in "
+                         "fp32 than there is, bench/NOTES.md)")
     ap.add_argument("--decisive", type=int, default=1)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
