@@ -200,26 +200,18 @@ class LatencyModel:
             raise ValueError("no samples to fit the latency model from")
         n = len(FEATURES)
         rows = self.anchors + list(self.samples)
-        wts = [1.0 / (ms * ms) if self.relative and ms > 0 else 1.0 for _, ms in rows]
+        x = np.array([f for f, _ in rows], dtype=np.float64)  # [R, n] features
+        y = np.array([ms for _, ms in rows], dtype=np.float64)  # [R] measured ms
+        w = np.where(y > 0, 1.0 / np.where(y > 0, y * y, 1.0), 1.0) if self.relative else np.ones_like(y)  # [R]
         # scale columns to unit weighted RMS so the tiny ridge and the solver see a well-conditioned problem
-        scale = []
-        for k in range(n):
-            ms2 = sum(w * x[k] * x[k] for (x, _), w in zip(rows, wts)) / sum(wts)
-            scale.append(math.sqrt(ms2) if ms2 > 0 else 1.0)
-        gram = [[0.0] * n for _ in range(n)]
-        rhs = [0.0] * n
-        for (x, y), w in zip(rows, wts):
-            xs = [x[k] / scale[k] for k in range(n)]
-            for a in range(n):
-                rhs[a] += w * xs[a] * y
-                for b in range(a, n):
-                    gram[a][b] += w * xs[a] * xs[b]
-        for a in range(n):
-            for b in range(a):
-                gram[a][b] = gram[b][a]
-        ridge = 1e-9 * sum(gram[k][k] for k in range(n)) / n
-        for k in range(n):
-            gram[k][k] += ridge
+        ms2 = (w[:, None] * x * x).sum(axis=0) / w.sum()  # [n]
+        scale = np.where(ms2 > 0, np.sqrt(np.where(ms2 > 0, ms2, 1.0)), 1.0)  # [n]
+        xs = x / scale  # [R, n]
+        wx = w[:, None] * xs
+        gram_np = wx.T @ xs  # [n, n]
+        gram_np = np.triu(gram_np) + np.triu(gram_np, 1).T  # exactly symmetric
+        gram_np[np.diag_indices(n)] += 1e-9 * np.trace(gram_np) / n  # the tiny ridge
+        gram, rhs, scale = gram_np.tolist(), (wx.T @ y).tolist(), scale.tolist()
         ws = nnls_normal(gram, rhs)
         self.coefs = LatencyCoefs(*[ws[k] / scale[k] for k in range(n)])
         self._since_fit = 0
