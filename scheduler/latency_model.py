@@ -338,14 +338,11 @@ class ExpertEstimator:
     # ---- learning ------------------------------------------------------------------------------------
     def observe_counts(self, counts_per_layer: Sequence[Sequence[float]]) -> None:
         """Adds one step's routing: per layer, slots routed to each expert (a bincount of top-k ids)."""
-        for layer, new in zip(self.counts, counts_per_layer):
-            if self.decay != 1.0:
-                for e in range(self.num_experts):
-                    layer[e] = layer[e] * self.decay + new[e]
-            else:
-                for e, c in enumerate(new):
-                    if c:
-                        layer[e] += c
+        old = np.asarray(self.counts, dtype=np.float64)  # [layers, E]
+        new = np.asarray(counts_per_layer, dtype=np.float64)
+        if new.shape != old.shape:
+            raise ValueError(f"routing counts must be [{self.num_layers}][{self.num_experts}], got {list(new.shape)}")
+        self.counts = (old * self.decay + new if self.decay != 1.0 else old + new).tolist()
         self._probs = None
 
     def observe_routing(self, expert_ids_per_layer: Sequence[Iterable[int]]) -> None:
@@ -387,9 +384,12 @@ class ExpertEstimator:
         return [(x + self.prior_count) / tot for x in c]
 
     def touch_prob_table(self) -> list[list[float]]:
-        """[layer][expert] probability that one token is routed to the expert (feed planner_torch as a tensor)."""
+        """[layer][expert] probability that one token is routed to the expert (feed planner_torch as a tensor).
+        In numpy: rebuilt after every fold of the routing counts, layers x experts at once."""
         if self._probs is None:
-            self._probs = [[min(1.0, self.top_k * s) for s in self._shares(layer)] for layer in range(self.num_layers)]
+            c = np.asarray(self.counts, dtype=np.float64)  # [layers, E]
+            shares = (c + self.prior_count) / (c.sum(axis=1, keepdims=True) + self.prior_count * self.num_experts)
+            self._probs = np.minimum(1.0, self.top_k * shares).tolist()
         return self._probs
 
     def expected_distinct(self, num_tokens: float) -> list[float]:
