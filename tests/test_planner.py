@@ -569,6 +569,32 @@ def test_the_plans_whole_step_prediction_error_is_reported():
     assert len(policy.plan_errors) == 1 and policy._predicted_ms is None
 
 
+def test_routing_counts_are_sampled_from_the_steps_that_carry_them():
+    """Every COUNTS_SAMPLE_EVERY-th step with routing counts is summed; COUNTS_FOLD_EVERY samples fold into the
+    estimator. Steps without counts (plain graphs, prefill) neither sample nor shift the sampling."""
+    import torch
+
+    from workers.config import ModelConfig
+    from workers.policy import COUNTS_FOLD_EVERY, COUNTS_SAMPLE_EVERY, LengthPolicy, StepObservation
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    layers = policy.num_moe_layers
+    hot = [torch.tensor([4.0, 0, 0, 0, 0, 0, 0, 0])] * layers  # every slot on expert 0
+    obs = StepObservation([2, 2], [10, 10], None, None)
+    before = policy.estimator.touch_prob_table()[0][0]
+    for _ in range(COUNTS_SAMPLE_EVERY * (COUNTS_FOLD_EVERY - 1)):  # the first of every COUNTS_SAMPLE_EVERY
+        policy.observe(None, obs, hot)
+        policy.observe(None, obs, [])  # a plain step in between: no counts, no sample
+    assert policy.estimator.counts[0][0] == 0.0  # one sample short of a fold
+    assert policy._pending_steps == COUNTS_FOLD_EVERY - 1
+    policy.observe(None, obs, hot)
+    assert policy.estimator.counts[0][0] == 4.0 * COUNTS_FOLD_EVERY and policy._pending_counts is None
+    assert policy.estimator.touch_prob_table()[0][0] > before
+
+
 def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     """hybridspec's step cost: the forward ms it measured by token count at the batch's size bucket once it has
     two token counts there (the linear model misses graph-bucket steps), the latency model before and at batch

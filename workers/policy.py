@@ -30,8 +30,9 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
-# routing statistics change slowly: a fold (host read, Python over layers x E, a new touch table for the planner)
-# every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2)
+# routing statistics change slowly: a fold (host read, the estimator's counts, a new touch table for the planner)
+# every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2); it now comes every
+# COUNTS_FOLD_EVERY samples, a sample every COUNTS_SAMPLE_EVERY-th step that carries counts (verification steps)
 COUNTS_FOLD_EVERY = 32
 COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
 OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward

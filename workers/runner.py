@@ -309,7 +309,7 @@ class ModelRunner:
         # latency model, which plans the graphed decode/verify steps
         forward_ms = None if captured or (graphs is not None and key is None) else timer.elapsed_ms()
         step_ms = (time.perf_counter() - start) * 1e3  # the gate's sample: before the learning below (a
-        # routing-statistics fold every 32 steps must not land in it)
+        # routing-statistics fold must not land in it)
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
             [int(x) for x in torch.stack(moe.distinct_experts).tolist()]
