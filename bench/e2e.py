@@ -37,6 +37,7 @@ from workers.cache import ModelCache  # noqa: E402
 from workers.config import ModelConfig  # noqa: E402
 from workers.drafters import REPLAY_CONFIDENCE, REPLAY_DRAWS, DraftModelDrafter, ReplayDrafter  # noqa: E402
 from workers.model import HybridModel  # noqa: E402
+from workers.policy import LengthPolicy  # noqa: E402
 from workers.random_init import init_random_  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
 
@@ -193,6 +194,73 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                      [r.output_ids for r in reqs], decode_tokens, decode_s, captures)
 
 
+def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,
+               max_new: int, args, page_size: int, num_pages: int, learned: dict) -> RunResult:
+    """One measured run of `policy` in a cell. The first run of a policy in the cell starts it as the engine does
+    (the start-up profile for the learned policies, a warm-up run that captures its graph buckets and warms its
+    latency model and calibration) and keeps its LengthPolicy in `learned`; later runs continue with it."""
+    if policy == "ar":
+        runner.drafter = None
+        return serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
+    k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
+    runner.drafter = replay
+    if policy in learned:
+        runner.policy = learned[policy]
+    else:
+        runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
+        if policy == "hybridspec-noextra":  # hybridspec without the router correction's extra token
+            runner.policy.disable_router_correction()
+        if args.profile and policy.split("-")[0] in ("budget", "hybridspec"):
+            runner.profile(conc)  # the engine's start-up profile (EngineConfig.startup_profile, on CUDA)
+        # warm-up: captures this policy's graph buckets, refines its latency model and calibration
+        serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy, keep_policy=True)
+        learned[policy] = runner.policy
+    res = serve(runner, prompts, max_new, k, page_size, num_pages, policy, keep_policy=True)
+    res.policy = policy
+    return res
+
+
+def merge_runs(runs: list[RunResult]) -> RunResult:
+    """One policy's runs of a cell as one: counts and times summed, step and TPOT samples pooled (tokens: the
+    first run's; each run's are checked against the reference by the caller)."""
+    first = runs[0]
+    return dataclasses.replace(
+        first, output_tokens=sum(r.output_tokens for r in runs), wall_s=sum(r.wall_s for r in runs),
+        steps=sum(r.steps for r in runs), step_ms=[x for r in runs for x in r.step_ms],
+        tpot_ms=[x for r in runs for x in r.tpot_ms], draft_tokens=sum(r.draft_tokens for r in runs),
+        accepted_tokens=sum(r.accepted_tokens for r in runs), verify_steps=sum(r.verify_steps for r in runs),
+        decode_tokens=sum(r.decode_tokens for r in runs), decode_s=sum(r.decode_s for r in runs),
+        captures=sum(r.captures for r in runs))
+
+
+def run_rates(runs: list[RunResult]) -> list[float]:
+    """Decode tokens/s of each run (their spread is the cell's run-to-run noise)."""
+    return [r.decode_tokens / r.decode_s if r.decode_s else 0.0 for r in runs]
+
+
+def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
+    """What a learned policy reports after its runs of a cell: latency-model and plan errors, the gate's share,
+    the measured step overhead, the router correction's keep counts, hybridspec's cost table and profile scale."""
+    row: dict = {}
+    err = policy.latency.error_stats()  # prequential: each step predicted before it ran
+    row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct}
+    if policy.gate is not None:
+        row["speculative_step_share"] = policy.gate.speculative_share()
+    row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
+    pstats = policy.stats()
+    for key in ("plan_step_bias_pct", "plan_step_abs_pct"):
+        if key in pstats:
+            row[key] = pstats[key]
+    if policy.extra_keep:  # the router correction's (kept, sent) extra tokens, decayed, per bucket
+        row["extra_keep"] = {b: list(v) for b, v in policy.extra_keep.items()}
+    if name.startswith("hybridspec"):  # its forward cost at the cell's batch size, profile scale
+        table = policy.cost_table(conc)
+        if table is not None:
+            row["cost_table_ms"] = {t: table.cost_ms(t) for t in table.tokens}
+        row["profile_scale"] = dict(policy.profile_scale)
+    return row
+
+
 def floor_ms(cfg: ModelConfig, dtype_bytes: int, distinct_experts: float, requests: int, context: int) -> float:
     """Bytes that must cross HBM once in a decode/verify step, over 4.3 TB/s."""
     h, e_inner = cfg.hidden_size, cfg.moe_intermediate_size
@@ -220,14 +288,16 @@ def dump(out_dir: str, meta: dict, rows: list[dict]) -> None:
 
 def speedup_table(rows: list[dict], key: str = "decode_tokens_per_s") -> list[dict]:
     """One row per (concurrency, acceptance): every policy's tok/s over ar's, fixed-best = the best fixed K."""
-    ar = {r["concurrency"]: r[key] for r in rows if r["policy"] == "ar"}
+    # ar of the cell where it ran in the cell's rounds (--repeats), else of the concurrency
+    ar = {(r["concurrency"], r["acceptance"]): r[key] for r in rows if r["policy"] == "ar"}
     cells: dict[tuple, dict] = {}
     for r in rows:
         if r["policy"] == "ar" or r["acceptance"] is None:
             continue
         cell = cells.setdefault((r["concurrency"], r["acceptance"]), {"concurrency": r["concurrency"],
                                                                        "acceptance": r["acceptance"]})
-        x = r[key] / ar[r["concurrency"]] if ar.get(r["concurrency"]) else 0.0
+        base = ar.get((r["concurrency"], r["acceptance"])) or ar.get((r["concurrency"], None))
+        x = r[key] / base if base else 0.0
         cell[r["policy"]] = x
         if r["policy"].startswith("fixed") and x > cell.get("fixed-best", (0.0, ""))[0]:
             cell["fixed-best"] = (x, r["policy"])
@@ -258,11 +328,16 @@ def main() -> None:
                          "(common random numbers; noise confidence only); stream: drawn in turn; auto: common "
                          "with noise confidence, stream with beta")
 
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every policy per cell, in alternating order, ar among them when > 1 (a row sums "
+                         "its runs; runs_decode_tokens_per_s lists each)")
     ap.add_argument("--profile", type=int, default=1,
                     help="run the start-up profile before budget/hybridspec (1, as the engine does on CUDA) or not (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     draws = args.replay_draws if args.replay_draws != "auto" else \
         ("common" if args.replay_confidence == "noise" else "stream")
     if draws == "common" and args.replay_confidence != "noise":  # (before any cell runs)
@@ -326,44 +401,42 @@ def main() -> None:
                                    draws=draws)
             for p, cont in zip(prompts, ar.tokens):
                 replay.set_reference(p, cont + [0] * (max_k + 2))  # room to draft past the end (never accepted)
+            # rounds: every policy once per round, in the reverse order every other round (a drift of the GPU's or
+            # host's speed over the cell then lands on every policy alike); with repeats, ar runs in the rounds too
+            # and each policy's row sums its runs. A policy keeps its learned state from round to round.
+            order = (["ar"] if args.repeats > 1 else []) + policies
+            runs: dict[str, list[RunResult]] = {}
+            learned: dict[str, object] = {}
+            for rep in range(args.repeats):
+                for policy in (order if rep % 2 == 0 else order[::-1]):
+                    runs.setdefault(policy, []).append(
+                        run_policy(runner, policy, replay, prompts, conc, max_new, args, page_size, num_pages,
+                                   learned))
+            ar_cell = merge_runs(runs["ar"]).row() if "ar" in runs else ar_row
+            if "ar" in runs:
+                ar_cell["acceptance"] = acceptance
+                ar_cell["runs_decode_tokens_per_s"] = run_rates(runs["ar"])
+                rows.append(ar_cell)
             for policy in policies:
-                k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
-                runner.drafter = replay
-                runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
-                if policy == "hybridspec-noextra":  # hybridspec without the router correction's extra token
-                    runner.policy.disable_router_correction()
-                if args.profile and policy.split("-")[0] in ("budget", "hybridspec"):
-                    runner.profile(conc)  # the engine's start-up profile (EngineConfig.startup_profile, on CUDA)
-                # warm-up: captures this policy's graph buckets, refines its latency model and calibration
-                serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy, keep_policy=True)
-                res = serve(runner, prompts, max_new, k, page_size, num_pages, policy, keep_policy=True)
-                res.policy, res.acceptance = policy, acceptance
+                runner.policy = learned[policy]
+                res = merge_runs(runs[policy])
+                res.acceptance = acceptance
                 row = res.row()
-                row["greedy_match"] = sum(a == b for a, b in zip(res.tokens, ar.tokens)) / len(ar.tokens)
-                row["first_divergence_mean"] = statistics.mean(
-                    next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(res.tokens, ar.tokens))
-                row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_row["decode_tokens_per_s"]
-                err = runner.policy.latency.error_stats()  # prequential: each step predicted before it ran
-                row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct}
-                if runner.policy.gate is not None:
-                    row["speculative_step_share"] = runner.policy.gate.speculative_share()
-                row["draft_overhead_ms"] = dict(runner.policy.draft_overhead_ms)
-                pstats = runner.policy.stats()
-                for key in ("plan_step_bias_pct", "plan_step_abs_pct"):
-                    if key in pstats:
-                        row[key] = pstats[key]
-                if runner.policy.extra_keep:  # the router correction's (kept, sent) extra tokens, decayed, per bucket
-                    row["extra_keep"] = {b: list(v) for b, v in runner.policy.extra_keep.items()}
-                if policy.startswith("hybridspec"):  # its forward cost at the cell's batch size, profile scale
-                    table = runner.policy.cost_table(conc)
-                    if table is not None:
-                        row["cost_table_ms"] = {t: table.cost_ms(t) for t in table.tokens}
-                    row["profile_scale"] = dict(runner.policy.profile_scale)
+                row["runs_decode_tokens_per_s"] = run_rates(runs[policy])
+                row["greedy_match"] = min(sum(a == b for a, b in zip(r.tokens, ar.tokens)) / len(ar.tokens)
+                                          for r in runs[policy])
+                row["first_divergence_mean"] = min(statistics.mean(
+                    next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                    for a, b in zip(r.tokens, ar.tokens)) for r in runs[policy])
+                row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_cell["decode_tokens_per_s"]
+                row.update(policy_report(runner.policy, policy, conc))
                 rows.append(row)
                 dump(args.out, meta, rows)
                 print(f"c={conc} acc={acceptance} {policy}: {row['decode_tokens_per_s']:.1f} tok/s "
-                      f"({row['speedup_vs_ar']:.2f}x ar), step {row['step_ms_median']:.2f} ms, mean accepted "
-                      f"{row['mean_accepted_len']:.2f}, greedy match {row['greedy_match']:.2f}", flush=True)
+                      f"({row['speedup_vs_ar']:.2f}x ar; runs "
+                      f"{', '.join(f'{x:.0f}' for x in row['runs_decode_tokens_per_s'])}), step "
+                      f"{row['step_ms_median']:.2f} ms, mean accepted {row['mean_accepted_len']:.2f}, greedy match "
+                      f"{row['greedy_match']:.2f}", flush=True)
     meta["wall_s"] = time.perf_counter() - t_start
     if use_graphs and device == "cuda":
         meta["graphs_captured"] = sum(g.captures for g in runner._graphs.values())

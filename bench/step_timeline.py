@@ -148,7 +148,20 @@ def analyse(trace: dict, labels: list[str], skip: set[int] | None = None) -> dic
             per_step[i]["host_ms"][n["name"]] = per_step[i]["host_ms"].get(n["name"], 0.0) + n["dur"] / 1e3
     gaps = [(steps[i + 1]["ts"] - steps[i]["ts"] - steps[i]["dur"]) / 1e3 for i in range(len(steps) - 1)
             if not skip or (i not in skip and i + 1 not in skip)]
-    per_step = [x for i, x in enumerate(per_step) if not skip or i not in skip]
+    drafted = [any(n["name"] == "draft: propose" for n in parts) for parts in inside]
+    kept = [i for i in range(len(steps)) if not skip or i not in skip]
+    if not kept:
+        return {"steps": 0}
+    out = _summary([per_step[i] for i in kept])
+    out["between_steps_ms"] = statistics.fmean(gaps) if gaps else 0.0
+    # speculative (drafted) and plain steps apart: a gated policy mixes both, and their means hide each other
+    out["by_kind"] = {kind: _summary([per_step[i] for i in kept if drafted[i] == (kind == "speculative")])
+                      for kind in ("speculative", "plain")}
+    return out
+
+
+def _summary(per_step: list[dict]) -> dict:
+    """Means (and medians of wall and busy) of per-step records; {"steps": 0} for none."""
     if not per_step:
         return {"steps": 0}
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
@@ -159,7 +172,6 @@ def analyse(trace: dict, labels: list[str], skip: set[int] | None = None) -> dic
             "wall_ms_median": statistics.median([s["wall_ms"] for s in per_step]),
             "gpu_busy_ms": mean([s["gpu_busy_ms"] for s in per_step]),
             "gpu_busy_ms_median": statistics.median([s["gpu_busy_ms"] for s in per_step]),
-            "between_steps_ms": mean(gaps),
             "gpu_ms": {k: mean([s["gpu_ms"].get(k, 0.0) for s in per_step]) for k in keys_gpu},
             "host_ms": {k: mean([s["host_ms"].get(k, 0.0) for s in per_step]) for k in keys_host}}
 
@@ -205,6 +217,12 @@ def main() -> None:
         for kind in ("gpu_ms", "host_ms"):
             print(f"   {kind}: " + ", ".join(f"{lab} {ms:.2f}" for lab, ms in summary.get(kind, {}).items()),
                   flush=True)
+        for kind, part in summary.get("by_kind", {}).items():
+            if part["steps"] and part["steps"] < summary["steps"]:
+                print(f"   {kind} steps: {part['steps']}, wall {part['wall_ms']:.2f} (median "
+                      f"{part['wall_ms_median']:.2f}), GPU busy {part['gpu_busy_ms']:.2f} (median "
+                      f"{part['gpu_busy_ms_median']:.2f}); host: "
+                      + ", ".join(f"{lab} {ms:.2f}" for lab, ms in part["host_ms"].items()), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_timeline.json").write_text(json.dumps(report, indent=1))
