@@ -35,13 +35,13 @@ class Cell:
         return replay
 
     def use_policy(self, policy: str, acceptance: float) -> int:
-        """The runner takes `policy` (fixedK, budget, hybridspec[-noextra], ar) with a fresh replay drafter;
+        """The runner takes `policy` (fixedK, budget, hybridspec[-noextra|-nocounts|-lean|-nogate], ar) with a fresh replay drafter;
         learned policies run the start-up profile first. -> the draft cap of its runs."""
         k = int(policy[5:]) if policy.startswith("fixed") else 16
         self.runner.drafter = self.replay(acceptance)
         self.runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
-        if policy == "hybridspec-noextra":  # hybridspec without the router correction's extra token
-            self.runner.policy.disable_router_correction()
+        if policy.startswith("hybridspec-"):  # hybridspec with parts switched off (LengthPolicy.ablate)
+            self.runner.policy.ablate(policy.split("-", 1)[1])
         if policy.split("-")[0] in ("budget", "hybridspec"):
             self.runner.profile(len(self.prompts))
         return 0 if policy == "ar" else k

@@ -83,6 +83,7 @@ class RunResult:
     decode_tokens: int = 0  # output tokens of steps without a prefill chunk
     decode_s: float = 0.0  # their time
     captures: int = 0  # decode steps that captured a CUDA graph first (left out of decode_tokens / decode_s)
+    step_tokens: list[int] = dataclasses.field(default_factory=list)  # verified tokens of each step in step_ms
 
 
     def row(self) -> dict:
@@ -96,7 +97,23 @@ class RunResult:
             "tpot_ms_p99": sorted(self.tpot_ms)[max(0, math.ceil(0.99 * len(self.tpot_ms)) - 1)] if self.tpot_ms else 0.0,
             "mean_accepted_len": (self.accepted_tokens / self.verify_steps) if self.verify_steps else 0.0,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "tokens_per_step_mean": statistics.fmean(self.step_tokens) if self.step_tokens else 0.0,
+            "step_ms_by_tokens": step_ms_by_tokens(self.step_tokens, self.step_ms),
         }
+
+
+def step_ms_by_tokens(tokens: list[int], ms: list[float], max_bins: int = 24) -> dict[int, list[float]]:
+    """Decode steps binned by their verified token count (bins of equal width, at most max_bins): the bin's
+    lowest count -> [steps, median ms]. Policies compared at equal token counts: what a step costs apart from
+    how long a block the policy chose."""
+    if not tokens or len(tokens) != len(ms):
+        return {}
+    lo, hi = min(tokens), max(tokens)
+    width = max(1, -(-(hi - lo + 1) // max_bins))
+    bins: dict[int, list[float]] = {}
+    for t, m in zip(tokens, ms):
+        bins.setdefault(lo + (t - lo) // width * width, []).append(m)
+    return {b: [len(v), statistics.median(v)] for b, v in sorted(bins.items())}
 
 
 def step_requests(plan, memory: MemoryManager) -> list[StepRequest]:
@@ -155,7 +172,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=max_new, ignore_eos=True)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
-    step_ms, tally, steps, prefill_steps = [], Tally(), 0, []
+    step_ms, step_tokens, tally, steps, prefill_steps = [], [], Tally(), 0, []
     decode_tokens, captures = 0, 0
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
@@ -170,6 +187,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         sync()
         now = time.perf_counter()
         step_ms.append((now - t0) * 1e3)
+        step_tokens.append(sum(len(w.tokens) for w in work) + sum(result.draft_tokens.values()))
         if any(c.num_tokens > 1 or c.start < len(c.request.prompt_ids) for c in plan.chunks):
             prefill_steps.append(len(step_ms) - 1)
         elif getattr(runner, "last_step_captured", False):  # a one-time graph capture: not a decode step's time
@@ -191,7 +209,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     return RunResult(policy, len(prompts), None, sum(len(r.output_ids) for r in reqs), wall, steps,
                      [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, tally.draft, tally.accepted,
                      tally.verified,
-                     [r.output_ids for r in reqs], decode_tokens, decode_s, captures)
+                     [r.output_ids for r in reqs], decode_tokens, decode_s, captures,
+                     [t for i, t in enumerate(step_tokens) if i not in pre])
 
 
 def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,
@@ -208,8 +227,8 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
         runner.policy = learned[policy]
     else:
         runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
-        if policy == "hybridspec-noextra":  # hybridspec without the router correction's extra token
-            runner.policy.disable_router_correction()
+        if policy.startswith("hybridspec-"):  # hybridspec with parts switched off (LengthPolicy.ablate)
+            runner.policy.ablate(policy.split("-", 1)[1])
         if args.profile and policy.split("-")[0] in ("budget", "hybridspec"):
             runner.profile(conc)  # the engine's start-up profile (EngineConfig.startup_profile, on CUDA)
         # warm-up: captures this policy's graph buckets, refines its latency model and calibration
@@ -230,7 +249,7 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         tpot_ms=[x for r in runs for x in r.tpot_ms], draft_tokens=sum(r.draft_tokens for r in runs),
         accepted_tokens=sum(r.accepted_tokens for r in runs), verify_steps=sum(r.verify_steps for r in runs),
         decode_tokens=sum(r.decode_tokens for r in runs), decode_s=sum(r.decode_s for r in runs),
-        captures=sum(r.captures for r in runs))
+        captures=sum(r.captures for r in runs), step_tokens=[x for r in runs for x in r.step_tokens])
 
 
 def run_rates(runs: list[RunResult]) -> list[float]:

@@ -27,6 +27,8 @@ from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
 
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
+# hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
+ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -199,6 +201,7 @@ class LengthPolicy:
         self._distinct: list[float] | None = None  # expected distinct experts of n globally routed tokens
         self.gate = SpeculationGate() if name == "hybridspec" else None
         self.router_correction = True  # hybridspec: the extra token up to the first MoE router
+        self.routing_stats = True  # hybridspec: served steps collect routing statistics (ExpertEstimator)
         # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
         self.draft_overhead_ms: dict[int, float] = {}
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
@@ -210,9 +213,28 @@ class LengthPolicy:
     def uses_extra_token(self) -> bool:
         return self.name == "hybridspec" and self.router_correction
 
+    @property
+    def collects_routing(self) -> bool:
+        """Whether verification steps collect routing statistics (distinct experts, per-expert counts) for it."""
+        return self.name == "hybridspec" and self.routing_stats
+
     def disable_router_correction(self) -> None:
         """hybridspec without the extra token (benchmarks measure what it brings)."""
         self.router_correction = False
+
+    def ablate(self, variant: str) -> None:
+        """hybridspec with parts switched off, for benchmarks that measure what each part brings (`hybridspec-X`):
+        noextra: no router-correction extra token; nocounts: no routing statistics collected in served steps
+        (the start-up profile's stand in); lean: both; nogate: speculates every step."""
+        if self.name != "hybridspec" or variant not in ABLATIONS:
+            raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
+        parts = ABLATIONS[variant]
+        if "extra" in parts:
+            self.router_correction = False
+        if "counts" in parts:
+            self.routing_stats = False
+        if "gate" in parts:
+            self.gate = None
 
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted

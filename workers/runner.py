@@ -111,7 +111,7 @@ class ModelRunner:
         max_batch, width = self.graph_config
         block = self.policy.max_verify_len + 1
         hidden = bool(getattr(self.drafter, "needs_hidden", False))
-        flags = (block, hidden, self.policy.uses_extra_token, self.policy.name == "hybridspec")
+        flags = (block, hidden, self.policy.uses_extra_token, self.policy.collects_routing)
         if flags in self._graphs:
             self._graphs.move_to_end(flags)
         else:
@@ -142,7 +142,12 @@ class ModelRunner:
         sizes = sorted({1, max(1, max_batch // 4), max_batch})
         lengths = sorted({1, 2, max(2, block // 4), max(2, block // 2), max(2, 3 * block // 4), block})
         gen = torch.Generator().manual_seed(seed)
-        graphs = self.step_graphs()
+        stats = self.policy.routing_stats
+        self.policy.routing_stats = True  # the profile measures routing statistics even where serving does not
+        try:
+            graphs = self.step_graphs()
+        finally:
+            self.policy.routing_stats = stats
         samples = 0
         for b in sizes:
             for t in lengths:
@@ -229,7 +234,7 @@ class ModelRunner:
                 spans[i] = (len(rows), len(rows) + starts[i + 1] - first)
                 rows.extend(range(first, starts[i + 1]))
         moe, scratch, hidden, batch, key, captured = None, None, None, None, None, False
-        learns_experts = self.policy.name == "hybridspec"  # only its latency model uses expert counts
+        learns_experts = self.policy.collects_routing  # only hybridspec's latency model uses expert counts
         graphs = self.step_graphs()
         if graphs is not None and decode_only:
             key = graphs.bucket(len(requests), starts[-1], max(len(b) for b in blocks),
