@@ -699,3 +699,32 @@ def test_cost_ranges_equal_pointwise_costs():
     exact = distinct_by_tokens_device(touch, 300, exact_upto=10**9)
     assert torch.allclose(grouped, exact, rtol=1e-3, atol=1e-9)
     assert abs(exact[37].item() - big.expected_distinct_total(37)) < 1e-6
+
+
+def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan():
+    """A served step's distinct experts come back without a sync (DeviceReadback): the policy learns that step's
+    latency sample at its next plan or observation, with those values, exactly once, and a step observed after
+    it is learned after it."""
+    from workers.config import ModelConfig
+    from workers.policy import DeviceReadback, LengthPolicy, StepObservation
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    learned = []
+    policy._learn_step_time = lambda obs, anchor=False: learned.append((obs.forward_ms, obs.distinct_experts))
+    pinned = [torch.empty(8, dtype=torch.int64), torch.empty(8, dtype=torch.int64)]
+
+    def step(ms, distinct, turn):
+        return StepObservation([3, 3], [40, 40], ms, DeviceReadback(torch.tensor(distinct), pinned[turn]))
+
+    policy.observe("replay", step(5.0, [9, 11], 0), None)
+    assert learned == [] and policy.steps == 1  # still on its way
+    policy.lengths("replay", [2, 2], [[0.9, 0.9], [0.9, 0.9]], [1, 1], [40, 40])
+    assert learned == [(5.0, [9, 11])]
+    policy.observe("replay", step(6.0, [12, 13], 1), None)
+    policy.observe("replay", StepObservation([1, 1], [41, 41], 4.0, [4, 5]), None)  # a synchronous one
+    assert learned == [(5.0, [9, 11]), (6.0, [12, 13]), (4.0, [4, 5])]
+    policy.stats()
+    assert len(learned) == 3

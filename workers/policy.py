@@ -161,12 +161,31 @@ class SpeculationGate:
         return self.decisions[1] / max(1, sum(self.decisions))
 
 
+class DeviceReadback:
+    """Device values on their way to the host without a sync: an async copy into pinned memory and the event
+    after it. values() waits for the event (done long before: the next step's forward has synchronized)."""
+
+    def __init__(self, values: torch.Tensor, pinned: torch.Tensor):
+        self.host = pinned[:values.numel()]
+        self.host.copy_(values.reshape(-1), non_blocking=values.is_cuda)
+        self.event = torch.cuda.Event() if values.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [int(x) for x in self.host.tolist()]
+
+
 @dataclass
 class StepObservation:
     tokens_per_request: list[int]
     context_lens: list[int]
     forward_ms: float | None  # None: not a measurement (the step captured a CUDA graph first)
-    distinct_experts: list[int] | None  # per MoE layer (None: not observed; the estimator stands in)
+    # per MoE layer (None: not observed; the estimator stands in); a DeviceReadback: still on its way to the
+    # host, the step's latency sample is learned when it has arrived (LengthPolicy._settle)
+    distinct_experts: list[int] | DeviceReadback | None
     verified: list[tuple[list[float], int, int]] = field(default_factory=list)  # (confidences, verified, accepted)
 
 
@@ -208,6 +227,10 @@ class LengthPolicy:
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
         self._predicted_ms: float | None = None
         self.plan_errors: deque[tuple[float, float]] = deque(maxlen=512)
+        # a step whose distinct experts are still being copied to the host: its latency sample waits for them
+        # (reading them at once would wait for the GPU to finish the step's commit: ~1 ms a step at c=1, e2e at
+        # ba5e735)
+        self._unsettled: StepObservation | None = None
 
     @property
     def uses_extra_token(self) -> bool:
@@ -241,6 +264,7 @@ class LengthPolicy:
 
     def should_draft(self, contexts: list[int]) -> bool:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always)."""
+        self._settle()
         if self.gate is None or not self.warm():
             return True
         b = len(contexts)
@@ -296,6 +320,7 @@ class LengthPolicy:
     def lengths(self, drafter: str, caps: list[int], confidences: list[list[float]], tokens: list[int],
                 contexts: list[int]) -> list[int]:
         """caps/confidences per request of the step (prefill rows: cap 0, no confidences)."""
+        self._settle()
         self._last_plan = None
         if self.name == "ar":
             return [0] * len(caps)
@@ -413,8 +438,12 @@ class LengthPolicy:
         return self._distinct
 
     def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
+        self._settle()
         self.steps += 1
-        self._learn_step_time(obs)
+        if isinstance(obs.distinct_experts, DeviceReadback):
+            self._unsettled = obs  # learned at the next plan or observation, when its values are on the host
+        else:
+            self._learn_step_time(obs)
         if drafter is not None and obs.verified:
             self.calibrator.observe_step(drafter, obs.verified)
         # routing popularity, sampled every COUNTS_SAMPLE_EVERY-th step: summed on the device, folded in every
@@ -432,6 +461,13 @@ class LengthPolicy:
                 self.estimator.observe_counts(self._pending_counts.float().cpu().tolist())
                 self._pending_counts = None
                 self._distinct = None  # recomputed from the new routing statistics at the next plan
+
+    def _settle(self) -> None:
+        """Learns the step time whose distinct experts were still on their way to the host."""
+        obs, self._unsettled = self._unsettled, None
+        if obs is not None:
+            obs.distinct_experts = obs.distinct_experts.values()
+            self._learn_step_time(obs)
 
     def _learn_step_time(self, obs: StepObservation, anchor: bool = False) -> None:
         """The latency model and the token-cost table learn a measured step (forward_ms None: not a measurement);
@@ -464,6 +500,7 @@ class LengthPolicy:
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
         calibration's expected calibration error before and after the map."""
+        self._settle()
         err = self.latency.error_stats()
         out = {"latency_samples": float(err.n), "latency_mean_abs_pct": err.mean_abs_pct,
                "latency_p90_abs_pct": err.p90_abs_pct}
