@@ -127,10 +127,12 @@ def _expert_stats(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int,
                   with_counts: bool) -> tuple[Tensor, Tensor | None]:
     n, k = topk_ids.shape
     dev = topk_ids.device
-    out = torch.zeros((), dtype=torch.int64, device=dev)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev) if with_counts else None
     if n == 0:
-        return out, counts
+        return (torch.zeros((), dtype=torch.int64, device=dev),
+                torch.zeros(num_experts, dtype=torch.int64, device=dev) if with_counts else None)
+    # the kernel writes the scalar and every expert's count: no memsets (two launches a layer in every step)
+    out = torch.empty((), dtype=torch.int64, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=dev) if with_counts else None
     ids = topk_ids.reshape(-1).contiguous()
     mask = _mask_i8(token_mask) if token_mask is not None else ids
     nk = ids.numel()

@@ -231,7 +231,8 @@ class StepGraphs:
         # plain decode (hybridspec's gate chose no drafts): no extra token to correct, and the routing counts come
         # from verification steps (a plain step in hybridspec's set costs what one in ar's does)
         g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token and not g.plain else None,
-                           row_mask=g.row_mask, collect_counts=self.collect_counts and not g.plain)
+                           row_mask=g.row_mask, collect_counts=self.collect_counts and not g.plain,
+                           collect_distinct=self.collect_counts and not g.plain)
         scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph
         out = self.model(g.batch, self.cache, None, write=g.write, scratch=scratch,
                          return_hidden=self.return_hidden, moe=g.moe, all_rows_into=g.logits)

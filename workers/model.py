@@ -33,6 +33,9 @@ class MoEContext:
     distinct_experts: list[Tensor] = field(default_factory=list)
     collect_counts: bool = False  # also keep each layer's per-expert token counts (routing statistics)
     expert_counts: list[Tensor] = field(default_factory=list)
+    # distinct experts per layer: only hybridspec's latency model reads them (a kernel a layer for nothing in the
+    # other policies' steps)
+    collect_distinct: bool = True
 
     def mask_for(self, ids: Tensor, num_experts: int) -> Tensor | None:
         """One MoE layer's routing (ids [N, k]) -> the token mask its experts run with, recording what the
@@ -50,9 +53,9 @@ class MoEContext:
         if self.collect_counts:  # one kernel for both statistics
             distinct, counts = dispatch.expert_counts(ids, mask, num_experts)
             self.expert_counts.append(counts)
-        else:
-            distinct = dispatch.distinct_experts(ids, mask, num_experts)
-        self.distinct_experts.append(distinct)
+            self.distinct_experts.append(distinct)
+        elif self.collect_distinct:
+            self.distinct_experts.append(dispatch.distinct_experts(ids, mask, num_experts))
         return mask
 
 

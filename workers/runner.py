@@ -263,7 +263,7 @@ class ModelRunner:
                 extra_rows[[starts[i + 1] - 1 for i in extra]] = True
                 extra_rows = extra_rows.to(self.device)
             if learns_experts or extra:
-                moe = MoEContext(extra_rows=extra_rows, collect_counts=learns_experts)
+                moe = MoEContext(extra_rows=extra_rows, collect_counts=learns_experts, collect_distinct=learns_experts)
             write = torch.tensor([i not in drafts for i in range(len(requests))], device=self.device)
             scratch = StepScratch({}) if drafts else None
             out = self.model(batch, self.cache, torch.tensor(rows, dtype=torch.long, device=self.device),
