@@ -728,3 +728,28 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
     assert learned == [(5.0, [9, 11]), (6.0, [12, 13]), (4.0, [4, 5])]
     policy.stats()
     assert len(learned) == 3
+
+
+def test_hybridspec_drafts_only_what_its_recent_plans_verify():
+    """hybridspec's draft cap at a batch-size bucket is the longest length of its recent plans there plus a
+    margin (none before a few plans, none for other policies); a plan that uses the margin widens it."""
+    from workers.config import ModelConfig
+    from workers.policy import DRAFT_MARGIN, DRAFT_WINDOW, LengthPolicy
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3, ms_per_expert=0.0)  # tokens are dear
+    low = [[0.5 ** (j + 1) for j in range(16)]] * 2
+    assert policy.draft_cap(2) is None
+    for _ in range(DRAFT_WINDOW // 4):
+        lengths = policy._plan_hybridspec(low, [16, 16], [1, 1], [50, 50])
+    cap = policy.draft_cap(2)
+    assert cap == max(lengths) + DRAFT_MARGIN < 16, (cap, lengths)
+    assert policy.draft_cap(16) is None  # another bucket has no plans yet
+    high = [[0.99 ** (j + 1) for j in range(16)]] * 2  # acceptance rose: the plan takes the whole cap ...
+    lengths = policy._plan_hybridspec(high, [cap, cap], [1, 1], [50, 50])
+    assert max(lengths) == cap
+    assert policy.draft_cap(2) == min(16, cap + DRAFT_MARGIN)  # ... and the next step drafts more
+    assert LengthPolicy("budget", cfg, max_verify_len=16).draft_cap(2) is None

@@ -41,6 +41,11 @@ OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond
 PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
+# hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the longest
+# length its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (a plan that uses the margin widens it next
+# step). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
+# block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at fd90476).
+DRAFT_WINDOW, DRAFT_MARGIN = 32, 2
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,7 @@ class LengthPolicy:
         # (reading them at once would wait for the GPU to finish the step's commit: ~1 ms a step at c=1, e2e at
         # ba5e735)
         self._unsettled: StepObservation | None = None
+        self._planned_max: dict[int, deque[int]] = {}  # per batch-size bucket: longest length of recent plans
 
     @property
     def uses_extra_token(self) -> bool:
@@ -258,6 +264,15 @@ class LengthPolicy:
             self.routing_stats = False
         if "gate" in parts:
             self.gate = None
+
+    def draft_cap(self, batch_size: int) -> int | None:
+        """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
+        plans at this bucket + DRAFT_MARGIN, at most max_verify_len); None: no cap of its own (other policies,
+        before DRAFT_WINDOW // 4 plans at this bucket)."""
+        recent = self._planned_max.get(SpeculationGate.bucket(batch_size)) if self.name == "hybridspec" else None
+        if not recent or len(recent) < DRAFT_WINDOW // 4:
+            return None
+        return min(self.max_verify_len, max(recent) + DRAFT_MARGIN)
 
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
@@ -383,6 +398,8 @@ class LengthPolicy:
         self.expected_tokens = plan.expected_tokens
         self._predicted_ms = plan.step_ms
         self._last_plan = (survival, cost, plan, sum(tokens))
+        self._planned_max.setdefault(SpeculationGate.bucket(len(tokens)), deque(maxlen=DRAFT_WINDOW)).append(
+            max(plan.lengths, default=0))
         return plan.lengths
 
     def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:

@@ -206,7 +206,8 @@ class ModelRunner:
                 not self.policy.should_draft([r.context_len for r in requests]):
             spec = []  # hybridspec's gate: plain decoding measured faster than speculation at this batch size
         if self.drafter is not None and self.policy.name != "ar" and spec:
-            draft_reqs = [self._draft_request(requests[i]) for i in spec]
+            cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
+            draft_reqs = [self._draft_request(requests[i], cap) for i in spec]
             proposal = self.drafter.propose(draft_reqs)
             caps = [0] * len(requests)
             confs: list[list[float]] = [[] for _ in requests]
@@ -342,11 +343,12 @@ class ModelRunner:
         self._pinned_turn ^= 1
         return DeviceReadback(stacked, self._pinned[self._pinned_turn])
 
-    def _draft_request(self, r: StepRequest) -> DraftRequest:
+    def _draft_request(self, r: StepRequest, cap: int | None = None) -> DraftRequest:
         if r.request_id not in self.draft_generators:  # its own stream: a seed reproduces drafts too
             seed = None if r.params.seed is None else (r.params.seed ^ DRAFT_SEED_SALT) % (2**63)
             self.draft_generators[r.request_id] = make_generator(seed, self.device)
-        return DraftRequest(r.request_id, r.all_tokens, r.context_len, r.pages, r.slot, r.draft_cap, r.params,
+        return DraftRequest(r.request_id, r.all_tokens, r.context_len, r.pages, r.slot,
+                            r.draft_cap if cap is None else min(r.draft_cap, cap), r.params,
                             self.draft_generators[r.request_id])
 
     def release(self, request_ids: list[str]) -> None:
