@@ -39,6 +39,7 @@ from workers.drafters import REPLAY_CONFIDENCE, REPLAY_DRAWS, DraftModelDrafter,
 from workers.model import HybridModel  # noqa: E402
 from workers.policy import LengthPolicy  # noqa: E402
 from workers.random_init import init_random_  # noqa: E402
+import workers.runner as runner_mod  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -357,6 +358,8 @@ def main() -> None:
     t_start = time.perf_counter()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if "ar" in args.policies.split(","):
+        ap.error("--policies: ar always runs (it is every cell's reference); list the others")
     draws = args.replay_draws if args.replay_draws != "auto" else \
         ("common" if args.replay_confidence == "noise" else "stream")
     if draws == "common" and args.replay_confidence != "noise":  # (before any cell runs)
@@ -382,6 +385,8 @@ def main() -> None:
     drafter_cost = DraftModelDrafter(drafter_model(cfg, args.drafter_layers, dtype, device), num_pages, page_size,
                                      max_c)
     runner = ModelRunner(target, cache)
+    # every policy's graph set stays captured between rounds (the engine keeps MAX_GRAPH_SETS: it serves one policy)
+    runner_mod.MAX_GRAPH_SETS = max(runner_mod.MAX_GRAPH_SETS, len(args.policies.split(",")) + 1)
     use_graphs = bool(args.graphs) and (device == "cuda" or args.tiny)
     if use_graphs:
         capture = device == "cuda"

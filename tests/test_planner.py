@@ -655,29 +655,36 @@ def test_profile_points_are_rescaled_by_what_served_steps_measure_against_them()
 def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
     """The router correction's extra token is sent while its measured keep rate makes it pay (P(kept) x the
     survival of that draft per marginal ms beats the plan's goodput) and stops where the batch rarely covers its
-    experts; without a plan (warm-up) every request below its cap gets one."""
+    experts; without a plan (warm-up) every request below its cap gets one; batches below the EXTRA_FROM bucket
+    never get one."""
     from workers.config import ModelConfig
-    from workers.policy import LengthPolicy
+    from workers.policy import EXTRA_FROM, LengthPolicy
 
     cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
                                  "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
-    assert policy.extra_tokens([2, 8, 0], [8, 8, 0]) == {0}  # no plan yet: every request below its cap
+    b = EXTRA_FROM
+    assert policy.extra_tokens([2] + [8] * (b - 2) + [0], [8] * (b - 1) + [0]) == {0}  # no plan yet: below cap
+    assert policy.extra_tokens([2, 8, 0], [8, 8, 0]) == set()  # a small batch: none
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.3)  # experts dominate
-    survival = [[0.8 ** (j + 1) for j in range(8)], [0.5 ** (j + 1) for j in range(8)]]
+    survival = [[0.8 ** (j + 1) for j in range(8)]] * (b // 2) + [[0.3 ** (j + 1) for j in range(8)]] * (b // 2)
 
     def extras():
-        lengths = policy._plan_hybridspec(survival, [8, 8], [1, 1], [50, 50])
-        return lengths, policy.extra_tokens(lengths, [8, 8])
+        lengths = policy._plan_hybridspec(survival, [8] * b, [1] * b, [50] * b)
+        return lengths, policy.extra_tokens(lengths, [8] * b)
 
     lengths, sent = extras()
-    assert lengths[1] < 8 and 1 in sent, (lengths, sent)  # optimistic keep rate: worth a token without experts
+    assert lengths[-1] < 8 and b - 1 in sent, (lengths, sent)  # optimistic keep rate: worth a token without experts
     for _ in range(200):
-        policy.observe_extra(2, 0, 2)  # never kept at this batch size
+        policy.observe_extra(b, 0, b)  # never kept at this batch size
     lengths, sent = extras()
     assert sent == set(), (lengths, sent)
-    assert policy.extra_tokens(lengths, [8, 8]) == {i for i in (0, 1) if lengths[i] < 8}  # a stale plan is not used
+    assert policy.extra_tokens(lengths, [8] * b) == {i for i in range(b) if lengths[i] < 8}  # a stale plan: unused
+    small = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    small.latency.coefs = policy.latency.coefs
+    lengths = small._plan_hybridspec(survival[-2:], [8, 8], [1, 1], [50, 50])
+    assert lengths[-1] < 8 and small.extra_tokens(lengths, [8, 8]) == set()
 
 
 def test_cost_ranges_equal_pointwise_costs():
@@ -703,8 +710,8 @@ def test_cost_ranges_equal_pointwise_costs():
 
 def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan():
     """A served step's distinct experts come back without a sync (DeviceReadback): the policy learns that step's
-    latency sample at its next plan or observation, with those values, exactly once, and a step observed after
-    it is learned after it."""
+    latency sample at its next plan or observation (not at the gate or a stats report, which would wait for the
+    GPU), with those values, exactly once, and a step observed after it is learned after it."""
     from workers.config import ModelConfig
     from workers.policy import DeviceReadback, LengthPolicy, StepObservation
 
@@ -714,10 +721,8 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     learned = []
     policy._learn_step_time = lambda obs, anchor=False: learned.append((obs.forward_ms, obs.distinct_experts))
-    pinned = [torch.empty(8, dtype=torch.int64), torch.empty(8, dtype=torch.int64)]
-
     def step(ms, distinct, turn):
-        return StepObservation([3, 3], [40, 40], ms, DeviceReadback(torch.tensor(distinct), pinned[turn]))
+        return StepObservation([3, 3], [40, 40], ms, DeviceReadback(torch.tensor(distinct)))
 
     policy.observe("replay", step(5.0, [9, 11], 0), None)
     assert learned == [] and policy.steps == 1  # still on its way
@@ -726,8 +731,13 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
     policy.observe("replay", step(6.0, [12, 13], 1), None)
     policy.observe("replay", StepObservation([1, 1], [41, 41], 4.0, [4, 5]), None)  # a synchronous one
     assert learned == [(5.0, [9, 11]), (6.0, [12, 13]), (4.0, [4, 5])]
-    policy.stats()
+    policy.observe("replay", step(7.0, [1, 2], 0), None)
+    policy.stats()  # reports without waiting for the step on its way
     assert len(learned) == 3
+    policy.should_draft([40, 40])  # the gate does not wait for it either
+    assert len(learned) == 3
+    policy.observe("replay", StepObservation([1, 1], [42, 42], 4.5, [4, 6]), None)
+    assert learned[-2:] == [(7.0, [1, 2]), (4.5, [4, 6])]
 
 
 def test_hybridspec_drafts_only_what_its_recent_plans_verify():
@@ -753,3 +763,23 @@ def test_hybridspec_drafts_only_what_its_recent_plans_verify():
     assert max(lengths) == cap
     assert policy.draft_cap(2) == min(16, cap + DRAFT_MARGIN)  # ... and the next step drafts more
     assert LengthPolicy("budget", cfg, max_verify_len=16).draft_cap(2) is None
+
+
+def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
+    from workers.config import ModelConfig
+    from workers.policy import ABLATIONS, LengthPolicy
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    expect = {"noextra": (False, True, True), "nocounts": (True, False, True), "lean": (False, False, True),
+              "nogate": (True, True, False)}
+    assert set(expect) == set(ABLATIONS)
+    for variant, (extra, counts, gate) in expect.items():
+        policy = LengthPolicy("hybridspec", cfg)
+        policy.ablate(variant)
+        assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None) == (extra, counts, gate)
+    with pytest.raises(ValueError, match="ablation must be one of"):
+        LengthPolicy("hybridspec", cfg).ablate("nothing")
+    with pytest.raises(ValueError, match="ablation must be one of"):
+        LengthPolicy("budget", cfg).ablate("lean")

@@ -284,9 +284,22 @@ def test_graph_path_rolls_back_the_draft_model_on_plain_steps(reference):
 
 
 @pytest.mark.parametrize("policy, acceptance", [("fixed", 0.6), ("hybridspec", 0.7)])
-def test_graph_path_verification_is_lossless(reference, policy, acceptance):
+def test_graph_path_verification_is_lossless(reference, policy, acceptance, monkeypatch):
     """Verification steps in graph buckets (padding requests, padding rows masked out of the MoE, the router
-    correction's extra token, the commit as its own graph) give exactly the eager tokens."""
+    correction's extra token, the commit as its own graph) give exactly the eager tokens. hybridspec verifies half
+    of each request's drafts and sends the extra token to every request below its cap here, in batches of any size
+    (its plan, rule and workers.policy.EXTRA_FROM would send few or none at this model's CPU-measured costs): the
+    mechanism is what is under test."""
+    import workers.policy
+    import workers.runner
+
+    if policy == "hybridspec":
+        monkeypatch.setattr(workers.policy, "EXTRA_FROM", 1)
+        monkeypatch.setattr(workers.runner, "EXTRA_FROM", 1)
+        monkeypatch.setattr(workers.policy.LengthPolicy, "lengths", lambda self, drafter, caps, confidences, *_:
+                            [min(c, len(conf)) // 2 for c, conf in zip(caps, confidences)])
+        monkeypatch.setattr(workers.policy.LengthPolicy, "extra_tokens",
+                            lambda self, lengths, caps: {i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c})
     llm = with_static_graphs(LLM(spec="replay", policy=policy, max_verify_len=6, replay_acceptance=acceptance))
     for prompt, ref in list(zip(PROMPTS, reference))[::2]:  # mixed steps: some requests never draft
         llm.set_replay_reference(prompt, ref)
@@ -297,8 +310,27 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance):
     assert {k.max_block for k in graphs.graphs} == {1, 7}  # plain decode and verification buckets both ran
     if policy == "hybridspec":  # plain buckets skip the router correction and the routing counts
         for key, g in graphs.graphs.items():
-            assert g.plain == (key.max_block == 1)
+            assert g.plain == (key.max_block == 1) and g.corrects != g.plain
             assert (g.moe.token_mask is g.moe.row_mask) == g.plain and bool(g.moe.expert_counts) != g.plain
+        assert sum(sent for _, sent in llm.engine.executor.runner.policy.extra_keep.values()) > 0  # extra tokens ran
+
+
+def test_small_batches_send_no_extra_token_and_run_no_router_correction(reference):
+    """Below the EXTRA_FROM batch-size bucket hybridspec sends no extra token and its verification graphs run no
+    router correction (the token mask is the padding mask); tokens stay identical."""
+    from workers.policy import EXTRA_FROM
+
+    n = EXTRA_FROM // 2  # a batch of n requests: below the threshold's bucket
+    llm = with_static_graphs(LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.7))
+    for prompt, ref in zip(PROMPTS[:n], reference):
+        llm.set_replay_reference(prompt, ref)
+    results = llm.generate(PROMPTS[:n], [params(m) for m in MAX_NEW[:n]])
+    assert [r.token_ids for r in results] == reference[:n]
+    assert sum(r.stats.draft_tokens for r in results) > 0
+    runner = llm.engine.executor.runner
+    assert runner.policy.extra_keep == {}
+    verify = [g for g in runner.step_graphs().graphs.values() if not g.plain]
+    assert verify and all(not g.corrects and g.moe.token_mask is g.moe.row_mask for g in verify)
 
 
 def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, perturbed_dir):
@@ -414,3 +446,34 @@ def test_replay_drafter_common_draws_fix_each_positions_outcome():
         ReplayDrafter(0.7, 10, draws="crn")
     with pytest.raises(ValueError, match="needs confidence='noise'"):
         ReplayDrafter(0.7, 10, confidence="beta", draws="common")
+
+
+def test_hybridspec_asks_the_drafter_only_for_its_draft_cap(reference, monkeypatch):
+    """The runner passes hybridspec's draft cap (workers.policy.LengthPolicy.draft_cap) to the drafter: no request
+    is asked for more drafts than the cap, and tokens stay identical."""
+    import workers.policy
+
+    monkeypatch.setattr(workers.policy.LengthPolicy, "draft_cap", lambda self, batch_size: 2)
+    llm = LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.9)
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    drafter = llm.engine.executor.runner.drafter
+    asked = []
+    propose = drafter.propose
+    monkeypatch.setattr(drafter, "propose", lambda reqs: asked.extend(r.k for r in reqs) or propose(reqs))
+    tokens, stats = run(llm)
+    assert tokens == reference
+    assert asked and max(asked) == 2 and sum(s.draft_tokens for s in stats) > 0
+
+
+def test_the_startup_profile_collects_routing_statistics_even_where_serving_does_not():
+    """hybridspec-nocounts serves without routing statistics, but its start-up profile still feeds the expert
+    estimator (and serving stays without them afterwards)."""
+    llm = LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.7)
+    runner = llm.engine.executor.runner
+    runner.set_policy("hybridspec", 6)
+    runner.policy.ablate("nocounts")
+    assert not runner.policy.collects_routing
+    runner.profile(max_batch=2)
+    assert runner.policy.profiled and not runner.policy.collects_routing
+    assert sum(sum(layer) for layer in runner.policy.estimator.counts) > 0

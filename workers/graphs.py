@@ -88,6 +88,7 @@ class _Graph:
     stage_dev: Tensor  # [M] int64 on the device; the graph copies its slices into the typed inputs
     layout: "_Layout"
     plain: bool = False  # a plain-decode bucket (max block 1): no router correction, no routing counts
+    corrects: bool = False  # the router correction runs in this bucket (extra tokens may come)
     forward: torch.cuda.CUDAGraph | None = None
     commit: torch.cuda.CUDAGraph | None = None
     staged: torch.cuda.Event | None = None  # the last host -> device copy of the staging buffer
@@ -114,12 +115,14 @@ class StepGraphs:
     def __init__(self, model: HybridModel, cache: ModelCache, *, max_block: int, spare_page: int, spare_slot: int,
                  page_table_width: int, max_tokens: int, return_hidden: bool = False, extra_token: bool = False,
                  collect_counts: bool = False, capture: bool | None = None, max_graphs: int = 96,
+                 extra_from: int = 1,
                  commits: bool = True):
         self.model, self.cache = model, cache
         self.max_block = max_block
         self.spare_page, self.spare_slot = spare_page, spare_slot
         self.width = page_table_width
         self.return_hidden, self.extra_token, self.collect_counts = return_hidden, extra_token, collect_counts
+        self.extra_from = extra_from  # the router correction only in buckets of this many requests or more
         self.capture = model.device.type == "cuda" if capture is None else capture
         self.max_graphs = max_graphs
         # commits=False (a drafter's graphs): no commit graph and no block inputs kept; nor for plain decode
@@ -185,7 +188,8 @@ class StepGraphs:
                    logits=self.logits_out[:nb], hidden=self.hidden_out[:nb] if self.hidden_out is not None else None,
                    stage_host=torch.zeros(layout.size, dtype=i64, pin_memory=pinned),
                    stage_dev=torch.zeros(layout.size, dtype=i64, device=device), layout=layout,
-                   plain=key.max_block == 1, staged=torch.cuda.Event() if pinned else None)
+                   plain=key.max_block == 1, staged=torch.cuda.Event() if pinned else None,
+                   corrects=self.extra_token and key.max_block > 1 and key.requests >= self.extra_from)
         # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
         # requests, on the spare page and slot
         self._stage(g, key, [], [], [], [], [], [])
@@ -230,7 +234,7 @@ class StepGraphs:
         self._unpack(g)
         # plain decode (hybridspec's gate chose no drafts): no extra token to correct, and the routing counts come
         # from verification steps (a plain step in hybridspec's set costs what one in ar's does)
-        g.moe = MoEContext(extra_rows=g.extra_rows if self.extra_token and not g.plain else None,
+        g.moe = MoEContext(extra_rows=g.extra_rows if g.corrects else None,
                            row_mask=g.row_mask, collect_counts=self.collect_counts and not g.plain,
                            collect_distinct=self.collect_counts and not g.plain)
         scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph

@@ -41,6 +41,12 @@ OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond
 PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
+# the router correction's extra token only from this batch-size bucket on: below, the batch's other tokens rarely
+# cover a token's experts (kept 5-40% at c=1) and sending it cost 3-5% end to end at c=1 (hybridspec vs
+# hybridspec-noextra, bench/NOTES.md, ablations at ba5e735 / 58c133e); c=4 was mixed, c>=16 kept 74-88%. Under
+# expert parallelism it applies to each rank's own batch (the coverage is the deployment's): a rank with a few
+# requests sends none even where the deployment would cover them.
+EXTRA_FROM = 8
 # hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the longest
 # length its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (a plan that uses the margin widens it next
 # step). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
@@ -167,11 +173,13 @@ class SpeculationGate:
 
 
 class DeviceReadback:
-    """Device values on their way to the host without a sync: an async copy into pinned memory and the event
-    after it. values() waits for the event (done long before: the next step's forward has synchronized)."""
+    """Device values on their way to the host without a sync: an async copy into pinned memory of its own (the
+    caching host allocator reuses a block only after the copies that used it have completed) and the event after
+    it. values() waits for the event; the policy calls it at the next step's plan (after that step's drafter has
+    read its tokens back) or observation (after its forward), when the copy is done."""
 
-    def __init__(self, values: torch.Tensor, pinned: torch.Tensor):
-        self.host = pinned[:values.numel()]
+    def __init__(self, values: torch.Tensor):
+        self.host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=values.is_cuda)
         self.host.copy_(values.reshape(-1), non_blocking=values.is_cuda)
         self.event = torch.cuda.Event() if values.is_cuda else None
         if self.event is not None:
@@ -232,9 +240,9 @@ class LengthPolicy:
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
         self._predicted_ms: float | None = None
         self.plan_errors: deque[tuple[float, float]] = deque(maxlen=512)
-        # a step whose distinct experts are still being copied to the host: its latency sample waits for them
-        # (reading them at once would wait for the GPU to finish the step's commit: ~1 ms a step at c=1, e2e at
-        # ba5e735)
+        # a step whose distinct experts are still being copied to the host: its latency sample waits for them until
+        # the next plan or observation (reading them at once would wait for the GPU to finish the step's commit:
+        # ~1 ms a step at c=1, e2e at ba5e735)
         self._unsettled: StepObservation | None = None
         self._planned_max: dict[int, deque[int]] = {}  # per batch-size bucket: longest length of recent plans
 
@@ -279,8 +287,7 @@ class LengthPolicy:
 
     def should_draft(self, contexts: list[int]) -> bool:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always)."""
-        self._settle()
-        if self.gate is None or not self.warm():
+        if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
         b = len(contexts)
         # the model's plain step of b tokens, its expected distinct experts from the cached table (the estimator's
@@ -409,9 +416,13 @@ class LengthPolicy:
         step less the latency model's expert part of it, at least ms_per_token: a dropped token costs no expert
         work, a kept one touches only covered experts) beats the plan's goodput (expected tokens per ms of the
         whole step); the plan left that draft out at its full cost. P(kept) is measured per batch-size bucket
-        (optimistic at first, so it gets measured). Small batches rarely cover a token's experts: there the extra
-        token would cost a row of every dense layer for nothing. Without a plan of this step: every request
-        with L_i < cap_i."""
+        (optimistic at first, so it gets measured). Small batches rarely cover a token's experts: below the
+        EXTRA_FROM batch-size bucket no extra token is sent (the rule's dense-row price missed what sending it
+        cost there: measured 3-5% end to end at c=1), and those buckets' graphs run no router correction.
+        Without a plan of this step: every request with L_i < cap_i."""
+        if SpeculationGate.bucket(len(lengths)) < EXTRA_FROM:
+            self._last_plan = None
+            return set()
         candidates = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
         if self._last_plan is None or not candidates:
             return set(candidates)
@@ -516,8 +527,8 @@ class LengthPolicy:
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
-        calibration's expected calibration error before and after the map."""
-        self._settle()
+        calibration's expected calibration error before and after the map (a step whose latency sample is still on
+        its way is not in them yet: settling it here would wait for the GPU)."""
         err = self.latency.error_stats()
         out = {"latency_samples": float(err.n), "latency_mean_abs_pct": err.mean_abs_pct,
                "latency_p90_abs_pct": err.p90_abs_pct}

@@ -20,7 +20,7 @@ from workers.graphs import BATCH_BUCKETS, StepGraphs
 from workers.config import ModelConfig
 from workers.drafters import Drafter, DraftRequest
 from workers.model import HybridModel, MoEContext
-from workers.policy import DeviceReadback, LengthPolicy, StepObservation
+from workers.policy import EXTRA_FROM, DeviceReadback, LengthPolicy, StepObservation
 from workers.sampling import make_generator
 
 class _ForwardTimer:
@@ -63,8 +63,6 @@ class ModelRunner:
         self.graph_config: tuple[int, int] | None = None  # (max batch, page-table width) once enabled
         self._graph_capture = True
         self._steps = 0
-        self._pinned: list[torch.Tensor] | None = None  # _read_distinct's two host buffers
-        self._pinned_turn = 0
         self._graphs: OrderedDict[tuple, StepGraphs] = OrderedDict()  # per (policy flags, drafter needs), LRU
         self.set_policy(policy, max_verify_len)
 
@@ -122,7 +120,8 @@ class ModelRunner:
             self._graphs[flags] = StepGraphs(
                 self.model, self.cache, max_block=block, spare_page=self.cache.num_pages - 1,
                 spare_slot=self.cache.num_slots - 1, page_table_width=width, max_tokens=max_batch * block,
-                return_hidden=hidden, extra_token=flags[2], collect_counts=flags[3], capture=self._graph_capture)
+                return_hidden=hidden, extra_token=flags[2], collect_counts=flags[3], capture=self._graph_capture,
+                extra_from=EXTRA_FROM)
         return self._graphs[flags]
 
     def captures_total(self) -> int:
@@ -320,7 +319,8 @@ class ModelRunner:
         # routing-statistics fold must not land in it)
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
-            self._read_distinct(moe.distinct_experts) if learns_experts and moe and moe.distinct_experts else None,
+            self._read_distinct(moe.distinct_experts)
+            if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
             verified), moe.expert_counts if learns_experts and moe is not None else None)
         if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
             self.policy.observe_outcome(len(requests), bool(draft_reqs),
@@ -332,16 +332,13 @@ class ModelRunner:
         return result
 
     def _read_distinct(self, distinct: list[torch.Tensor]) -> "list[int] | DeviceReadback":
-        """The step's distinct experts per MoE layer for the latency model. On CUDA an async copy into one of two
-        pinned buffers (the policy learns the sample before the next step's copy reuses the other's): a
-        synchronous read here would wait for the commit the GPU is still running."""
+        """The step's distinct experts per MoE layer for the latency model. On CUDA an async copy to the host that
+        the policy reads at its next plan: a synchronous read here would wait for the commit the GPU is still
+        running (~1 ms a step at c=1, bench/NOTES.md)."""
         stacked = torch.stack(distinct)  # [MoE layers] (a copy: graph outputs are overwritten by the next replay)
         if self.device.type != "cuda":
             return [int(x) for x in stacked.tolist()]
-        if self._pinned is None or self._pinned[0].numel() < stacked.numel():
-            self._pinned = [torch.empty(stacked.numel(), dtype=stacked.dtype, pin_memory=True) for _ in range(2)]
-        self._pinned_turn ^= 1
-        return DeviceReadback(stacked, self._pinned[self._pinned_turn])
+        return DeviceReadback(stacked)
 
     def _draft_request(self, r: StepRequest, cap: int | None = None) -> DraftRequest:
         if r.request_id not in self.draft_generators:  # its own stream: a seed reproduces drafts too
