@@ -83,3 +83,27 @@ def test_step_timeline_attributes_kernels_to_the_part_that_launched_them():
     assert abs(out["gpu_busy_ms"] - 3.5) < 1e-9  # (2 + 5) ms busy in the first step, 0 in the second
     assert abs(out["host_ms"]["plan: lengths"] - 0.5) < 1e-9
     assert abs(out["between_steps_ms"] - 2.0) < 1e-9
+
+
+def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
+    """bench/e2e.py --repeats 2: ar runs in every cell's rounds, each row lists both runs and sums them, speedups
+    are over the same cell's ar, speculative runs stay lossless, rows carry tokens per step; ar in --policies and
+    --repeats 0 are refused before anything runs."""
+    run_script("e2e.py", "--concurrency", "2", "--acceptance", "0.7", "--policies", "fixed4,hybridspec-lean",
+               "--repeats", "2", "--prompt-len", "16", "--max-new", "10", "--cell-tokens", "10", "--warm-new", "4",
+               "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.7)
+    assert len(cell_ar["runs_decode_tokens_per_s"]) == 2
+    for policy in ("fixed4", "hybridspec-lean"):
+        row = next(r for r in rows if r["policy"] == policy)
+        runs = row["runs_decode_tokens_per_s"]
+        assert len(runs) == 2 and min(runs) <= row["decode_tokens_per_s"] <= max(runs)  # the sum of both runs
+        assert row["speedup_vs_ar"] == row["decode_tokens_per_s"] / cell_ar["decode_tokens_per_s"]
+        assert row["greedy_match"] == 1.0 and row["tokens_per_step_mean"] >= 2  # two requests, plus drafts
+        binned = sum(n for n, _ in row["step_ms_by_tokens"].values())  # decode steps (no prefill, no capture)
+        assert 0 < binned <= row["steps"] - row["capture_steps"]
+    for bad in (["--policies", "ar,budget"], ["--repeats", "0"]):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", *bad, "--out", str(tmp_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and ("--policies" in out.stderr or "--repeats" in out.stderr), out.stderr

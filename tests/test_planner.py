@@ -458,18 +458,19 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
 
 def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
-    always wrong, hybridspec's gate measures plain decoding faster and stops drafting except for probes; the
-    output stays the greedy output."""
+    always wrong (and whose forward costs time, as e2e's DFlash-shaped one: a free drafter with plans of length 0
+    makes a drafted step cost what a plain one does, and the gate's two sides tie), hybridspec's gate measures
+    plain decoding faster and stops drafting except for probes; the output stays the greedy output."""
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "bench"))
-    from e2e import serve, tiny_config
+    from e2e import drafter_model, serve, tiny_config
 
     from workers.bench_model import build_bench_model
     from workers.cache import ModelCache
-    from workers.drafters import ReplayDrafter
+    from workers.drafters import DraftModelDrafter, ReplayDrafter
     from workers.runner import ModelRunner
 
     torch.manual_seed(0)
@@ -480,7 +481,8 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(conc)]
     greedy = serve(runner, prompts, new, 0, page_size, num_pages, "ar").tokens
-    replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3)
+    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, conc)
+    replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3, cost_model=cost)
     for p, cont in zip(prompts, greedy):
         replay.set_reference(p, cont + [0] * 20)
     runner.drafter = replay
