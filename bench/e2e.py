@@ -430,7 +430,7 @@ def main() -> None:
             # and each policy's row sums its runs. A policy keeps its learned state from round to round.
             order = (["ar"] if args.repeats > 1 else []) + policies
             runs: dict[str, list[RunResult]] = {}
-            learned: dict[str, object] = {}
+            learned: dict[str, LengthPolicy] = {}
             for rep in range(args.repeats):
                 for policy in (order if rep % 2 == 0 else order[::-1]):
                     runs.setdefault(policy, []).append(
@@ -442,7 +442,6 @@ def main() -> None:
                 ar_cell["runs_decode_tokens_per_s"] = run_rates(runs["ar"])
                 rows.append(ar_cell)
             for policy in policies:
-                runner.policy = learned[policy]
                 res = merge_runs(runs[policy])
                 res.acceptance = acceptance
                 row = res.row()
@@ -453,7 +452,7 @@ def main() -> None:
                     next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                     for a, b in zip(r.tokens, ar.tokens)) for r in runs[policy])
                 row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_cell["decode_tokens_per_s"]
-                row.update(policy_report(runner.policy, policy, conc))
+                row.update(policy_report(learned[policy], policy, conc))
                 rows.append(row)
                 dump(args.out, meta, rows)
                 print(f"c={conc} acc={acceptance} {policy}: {row['decode_tokens_per_s']:.1f} tok/s "

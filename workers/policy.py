@@ -255,10 +255,6 @@ class LengthPolicy:
         """Whether verification steps collect routing statistics (distinct experts, per-expert counts) for it."""
         return self.name == "hybridspec" and self.routing_stats
 
-    def disable_router_correction(self) -> None:
-        """hybridspec without the extra token (benchmarks measure what it brings)."""
-        self.router_correction = False
-
     def ablate(self, variant: str) -> None:
         """hybridspec with parts switched off, for benchmarks that measure what each part brings (`hybridspec-X`):
         noextra: no router-correction extra token; nocounts: no routing statistics collected in served steps
