@@ -248,6 +248,15 @@ def hybridspec(est, survival, footprints):
     return plan_with_experts(survival, [K_W] * len(survival), WORLD, base, est, footprints).lengths
 
 
+def _moe_config(num_experts: int = 64, top_k: int = 8):
+    """A two-layer MoE config for the policy tests."""
+    from workers.config import ModelConfig
+
+    return ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                  "vocab_size": 64, "num_experts": num_experts, "num_experts_per_tok": top_k})
+
+
 def compare(est, table, survival, fps) -> tuple[float, float]:
     """(hybridspec / budget, hybridspec / best fixed K) expected goodput in the synthetic world."""
     caps = [K_W] * len(survival)
@@ -505,13 +514,10 @@ def test_speculation_gate_is_off_under_expert_parallelism():
     new policy is set, as it re-wraps the policy)."""
     from types import SimpleNamespace
 
-    from workers.config import ModelConfig
     from workers.expert_parallel import _observe_slowest
     from workers.policy import LengthPolicy
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    cfg = _moe_config(num_experts=8, top_k=2)
     runner = SimpleNamespace(policy=LengthPolicy("hybridspec", cfg), device=torch.device("cpu"))
     assert runner.policy.gate is not None
     _observe_slowest(runner)
@@ -522,12 +528,9 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
     """hybridspec maximizes the goodput of the whole step: a drafted step's measured time beyond the forward
     (drafting, planning, acceptance) is paid whatever the lengths, so a larger overhead makes longer blocks
     worth it; the overhead is learned per batch-size bucket from whole steps and forwards."""
-    from workers.config import ModelConfig
     from workers.policy import LengthPolicy
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    cfg = _moe_config(num_experts=8, top_k=2)
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
     survival = [[0.6 ** (j + 1) for j in range(8)]]
@@ -551,12 +554,9 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
 def test_the_plans_whole_step_prediction_error_is_reported():
     """Each drafted step's planned ms against its measured ms (signed and absolute, in the policy's stats); a plain
     step after a plan (the gate said no) leaves no sample and clears the prediction."""
-    from workers.config import ModelConfig
     from workers.policy import LengthPolicy
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    cfg = _moe_config(num_experts=8, top_k=2)
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
     assert "plan_step_bias_pct" not in policy.stats()
@@ -576,12 +576,9 @@ def test_routing_counts_are_sampled_from_the_steps_that_carry_them():
     estimator. Steps without counts (plain graphs, prefill) neither sample nor shift the sampling."""
     import torch
 
-    from workers.config import ModelConfig
     from workers.policy import COUNTS_FOLD_EVERY, COUNTS_SAMPLE_EVERY, LengthPolicy, StepObservation
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    cfg = _moe_config(num_experts=8, top_k=2)
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     layers = policy.num_moe_layers
     hot = [torch.tensor([4.0, 0, 0, 0, 0, 0, 0, 0])] * layers  # every slot on expert 0
@@ -602,12 +599,9 @@ def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     two token counts there (the linear model misses graph-bucket steps), the latency model before and at batch
     sizes it has not run."""
     from scheduler.latency_model import ModelTokenCost
-    from workers.config import ModelConfig
     from workers.policy import LengthPolicy, SlopeFloor, StepObservation
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    cfg = _moe_config(num_experts=8, top_k=2)
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
     assert isinstance(policy.step_cost([1, 1], [10, 10], 20), ModelTokenCost)
@@ -634,12 +628,9 @@ def test_profile_points_are_rescaled_by_what_served_steps_measure_against_them()
     """The start-up profile's synthetic steps (short contexts, other graph buckets) can sit off the served steps
     by a factor; the token counts the plan has not visited take that factor, so they neither lure the plan nor
     keep it away."""
-    from workers.config import ModelConfig
     from workers.policy import LengthPolicy, StepObservation
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 8, "num_experts_per_tok": 2})
+    cfg = _moe_config(num_experts=8, top_k=2)
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
     for t, ms in ((4, 10.0), (8, 12.0), (16, 16.0), (32, 24.0)):  # 4 requests x 1 / 2 / 4 / 8 tokens
@@ -659,12 +650,9 @@ def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
     survival of that draft per marginal ms beats the plan's goodput) and stops where the batch rarely covers its
     experts; without a plan (warm-up) every request below its cap gets one; batches below the EXTRA_FROM bucket
     never get one."""
-    from workers.config import ModelConfig
     from workers.policy import EXTRA_FROM, LengthPolicy
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    cfg = _moe_config()
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     b = EXTRA_FROM
     assert policy.extra_tokens([2] + [8] * (b - 2) + [0], [8] * (b - 1) + [0]) == {0}  # no plan yet: below cap
@@ -714,12 +702,9 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
     """A served step's distinct experts come back without a sync (DeviceReadback): the policy learns that step's
     latency sample at its next plan or observation (not at the gate or a stats report, which would wait for the
     GPU), with those values, exactly once, and a step observed after it is learned after it."""
-    from workers.config import ModelConfig
     from workers.policy import DeviceReadback, LengthPolicy, StepObservation
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    cfg = _moe_config()
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     learned = []
     policy._learn_step_time = lambda obs, anchor=False: learned.append((obs.forward_ms, obs.distinct_experts))
@@ -745,12 +730,9 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
 def test_hybridspec_drafts_only_what_its_recent_plans_verify():
     """hybridspec's draft cap at a batch-size bucket is the longest length of its recent plans there plus a
     margin (none before a few plans, none for other policies); a plan that uses the margin widens it."""
-    from workers.config import ModelConfig
     from workers.policy import DRAFT_MARGIN, DRAFT_WINDOW, LengthPolicy
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    cfg = _moe_config()
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3, ms_per_expert=0.0)  # tokens are dear
     low = [[0.5 ** (j + 1) for j in range(16)]] * 2
@@ -768,12 +750,9 @@ def test_hybridspec_drafts_only_what_its_recent_plans_verify():
 
 
 def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
-    from workers.config import ModelConfig
     from workers.policy import ABLATIONS, LengthPolicy
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                 "vocab_size": 64, "num_experts": 64, "num_experts_per_tok": 8})
+    cfg = _moe_config()
     expect = {"noextra": (False, True, True), "nocounts": (True, False, True), "lean": (False, False, True),
               "nogate": (True, True, False)}
     assert set(expect) == set(ABLATIONS)
