@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import git_commit, tiny_config  # noqa: E402
 from workers.bench_model import build_bench_model  # noqa: E402
 from workers.cache import ModelCache  # noqa: E402
+import workers.runner as runner_mod  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
 
 
@@ -60,6 +61,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="1x8,1x17,4x17,16x9,16x17")
+    ap.add_argument("--max-verify", default="",
+                    help="also budget's graphs for these max verification lengths (e.g. 4,8): the same B x T "
+                         "steps in a bucket whose max block is K + 1 instead of 17")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -69,6 +73,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     max_b = max(b for b, _ in shapes)
     cache = ModelCache(model.config, 8, 16, max_b + 1, dtype, device)
+    runner_mod.MAX_GRAPH_SETS = 8  # budget at each K and hybridspec: keep every set
     runner = ModelRunner(model, cache)
     why = runner.enable_graphs(max_b, 4, warm=False, capture=device == "cuda")
     assert why is None, why
@@ -80,10 +85,15 @@ def main() -> None:
             name = policy + ("+extra" if extra else "")
             row[name] = time_steps(runner, b, t, extra, args.reps)
         row["hybridspec_over_budget_ms"] = row["hybridspec"] - row["budget"]
+        for k in (int(v) for v in args.max_verify.split(",") if v):
+            if t <= k + 1:
+                runner.set_policy("budget", k)
+                row[f"budget/max_block{k + 1}"] = time_steps(runner, b, t, False, args.reps)
         rows.append(row)
         print(f"B={b} T={t}: budget {row['budget']:.3f} ms, hybridspec {row['hybridspec']:.3f} ms "
               f"(+{row['hybridspec_over_budget_ms']:.3f}), with extra tokens {row['hybridspec+extra']:.3f} ms",
               flush=True)
+        print("  " + ", ".join(f"{n} {v:.3f} ms" for n, v in row.items() if n.startswith("budget/")), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_overhead.json").write_text(json.dumps({"commit": git_commit(), "device": device,

@@ -236,8 +236,9 @@ def _gdn_fwd_kernel(
         seq_len = tl.minimum(seq_len, tl.load(keep_ptr + b).to(tl.int32))
     slot = tl.load(slots_ptr + b).to(tl.int64)
     s_row = ((slot * HV + hv) * DK).to(tl.int32)  # row of this tile in the state pool viewed as [S*HV*DK, DV]
-    # A commit of 0 tokens leaves the slot as it is: skip the whole state read and write.
-    if seq_len + (1 - COMMIT) > 0:  # COMMIT: only when there is something to replay
+    # A block of 0 tokens (a commit of none, a graph bucket's idle padding request) leaves the slot as it is: skip
+    # the whole state read and write (REPLAY: unless the previous block has kept tokens to replay).
+    if seq_len + REPLAY > 0:
         S = _load_state(state_desc, s_row, v0, TRANS)  # [BK, BV] (TRANS: S^T [BV, BK])
         if REPLAY:
             n_prev = tl.load(keep_ptr + b).to(tl.int32)
@@ -314,22 +315,23 @@ def _gdn_seq_kernel(
     kmask = dk < DK
     vmask = dv < DV
     s_row = ((slot * HV + hv) * DK).to(tl.int32)
-    S = _load_state(state_desc, s_row, v0, False)  # [BK, BV]
-    for t in range(0, seq_len):
-        row = bos + t
-        q = tl.load(q_ptr + row * s_qn + hk * s_qh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
-        q = q * scale
-        S = _seq_token(S, k_ptr, v_ptr, g_ptr, b_ptr, row, hk, hv, dk, dv, kmask, vmask,
-                       s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, L2NORM)
-        o = tl.sum(S * q[:, None], axis=0)  # [BV]
-        tl.store(o_ptr + row * s_on + hv * s_oh + dv, o.to(o_ptr.dtype.element_ty), mask=vmask)
-    if WRITE == 1:
-        _store_state(state_desc, s_row, v0, S, False)
-    if WRITE == 2:
-        if tl.load(wmask_ptr + b) != 0:
+    if seq_len > 0:  # a request of no tokens (a graph bucket's idle padding request) reads and writes nothing
+        S = _load_state(state_desc, s_row, v0, False)  # [BK, BV]
+        for t in range(0, seq_len):
+            row = bos + t
+            q = tl.load(q_ptr + row * s_qn + hk * s_qh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+            if L2NORM:
+                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+            q = q * scale
+            S = _seq_token(S, k_ptr, v_ptr, g_ptr, b_ptr, row, hk, hv, dk, dv, kmask, vmask,
+                           s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, L2NORM)
+            o = tl.sum(S * q[:, None], axis=0)  # [BV]
+            tl.store(o_ptr + row * s_on + hv * s_oh + dv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+        if WRITE == 1:
             _store_state(state_desc, s_row, v0, S, False)
+        if WRITE == 2:
+            if tl.load(wmask_ptr + b) != 0:
+                _store_state(state_desc, s_row, v0, S, False)
 
 
 @triton.jit
@@ -403,7 +405,7 @@ def _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, *, scale, use_qk_l2no
         pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1), pg.stride(0), pg.stride(1), pb.stride(0),
         pb.stride(1), state.stride(0), state.stride(1), state.stride(2),
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BV=bv, HAS_OUT=has_out, WRITE=write,
-        COMMIT=commit, REPLAY=replay, L2NORM=use_qk_l2norm, PREC=prec,
+        COMMIT=commit, REPLAY=int(replay), L2NORM=use_qk_l2norm, PREC=prec,
         PREC_MAIN=prec if (write != 0 or commit) else prec_out, PREC_OUT=prec_out, TRANS=trans, SINGLE=single,
         num_warps=warps,
     )

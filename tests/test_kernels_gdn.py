@@ -73,13 +73,14 @@ def case_verify(impl):
 
 
 def case_verify_options():
-    """scale given, no l2norm, T_i = 1 only (decode), and the 32-token block (T = 17..32)."""
+    """scale given, no l2norm, T_i = 1 only (decode), the 32-token block (T = 17..32), and a request of no tokens
+    between two others (a graph bucket's idle padding request: its state is neither read nor changed)."""
     from kernels.gdn import gdn_recurrent_ref
     from kernels.gdn_triton import gdn_triton
 
     errs = {}
     for name, lens, kw in (("noscale_nonorm", [3, 1, 2], dict(scale=0.3, use_qk_l2norm=False)),
-                           ("decode", [1, 1, 1], {}), ("block32", [32, 20, 17], {})):
+                           ("decode", [1, 1, 1], {}), ("block32", [32, 20, 17], {}), ("idle", [3, 0, 2], {})):
         for impl in ("block", "seq"):
             q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=2)
             s_ref, s_tri = state.clone(), state.clone()

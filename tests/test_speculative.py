@@ -477,3 +477,29 @@ def test_the_startup_profile_collects_routing_statistics_even_where_serving_does
     runner.profile(max_batch=2)
     assert runner.policy.profiled and not runner.policy.collects_routing
     assert sum(sum(layer) for layer in runner.policy.estimator.counts) > 0
+
+
+def test_graph_padding_blocks_are_no_longer_than_the_real_blocks():
+    """A bucket's padding goes to its last requests in blocks no longer than the step's longest real block where
+    its requests suffice (the sequential GDN kernel walks a request's tokens in order: a longer padding block would
+    be the step's critical path), else in the fewest equal blocks; every padding token is placed."""
+    from workers.graphs import PAD_BLOCK, BucketKey, StepGraphs, token_buckets
+
+    pad = StepGraphs._padding_lens
+    assert pad(3, 10, 12, 17, 4) == [0, 0, 0, 0, 4, 4, 4]  # blocks of the longest real block (4)
+    assert pad(3, 10, 12, 17, 1) == [0, 2, 2, 2, 2, 2, 2]  # too few requests for blocks of 1: ceil(12 / 7)
+    assert pad(0, 4, 0, 17, 5) == [0, 0, 0, 0]
+    assert pad(2, 4, 9, 5, 1) == [4, 5]  # never longer than the bucket's max block
+    with pytest.raises(RuntimeError, match="too few padding requests"):
+        pad(2, 4, 11, 5, 1)
+    # a bucket has enough padding requests for its largest padding in blocks of PAD_BLOCK
+    tokens = token_buckets(64 * 17)
+    for max_block in (1, 5, 17):
+        for i in range(1, len(tokens)):
+            graphs = StepGraphs.__new__(StepGraphs)
+            graphs.tokens = tokens
+            key = BucketKey(64, tokens[i], max_block)
+            p = graphs._pad_requests(key)
+            largest = tokens[i] - tokens[i - 1] - 1
+            assert p * min(max_block, PAD_BLOCK) >= largest
+            assert max(pad(0, p, largest, max_block, 1), default=0) <= min(max_block, PAD_BLOCK)

@@ -50,8 +50,10 @@ EXTRA_FROM = 8
 # hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the longest
 # length its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (a plan that uses the margin widens it next
 # step). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
-# block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at fd90476).
-DRAFT_WINDOW, DRAFT_MARGIN = 32, 2
+# block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at fd90476). A margin of
+# 2 still drafted ~7 per request to verify 4 at c=64/0.7 (drafter 5.3 ms of GPU a step against fixed4's 2.4, step
+# timeline at c5013e8); 1 is the least that lets the plans grow.
+DRAFT_WINDOW, DRAFT_MARGIN = 32, 1
 
 
 @dataclass(frozen=True)
