@@ -1,7 +1,6 @@
 """CUDA graphs for decode and verification steps (no prefill chunk in the step).
 
-A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block: 1, or the smallest of
-VERIFY_BLOCKS and `max_block` that holds the step's longest block) over
+A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block 1 or up to `max_block`) over
 static input buffers; a step writes its ragged batch into the bucket's pinned host staging buffer (one int64
 array), copies it to the device in one transfer and replays: the graph itself unpacks the staging array into the
 typed inputs. One graph runs the
@@ -44,10 +43,6 @@ from workers.model import HybridModel, MoEContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PAD_BLOCK = 4  # a bucket has padding requests for its largest padding in blocks of this many tokens (or max block)
-# Verification buckets by longest block, below the runner's largest: the kernels size their tiles from the bucket's
-# block (attention's query tiles, conv's token tiles), so short blocks in a graph planned for 17 pay for 17
-# (measured at 209161c: 64 requests x 5 tokens 14.5 ms in a bucket of max block 17, 13.4 ms in one of 5).
-VERIFY_BLOCKS = (5, 9)
 MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages share one)
 log = logging.getLogger(__name__)
 
@@ -70,7 +65,7 @@ def token_buckets(limit: int) -> list[int]:
 class BucketKey:
     requests: int  # Bb
     tokens: int  # Nb
-    max_block: int  # 1 (plain decode) or the verification block bucket (VERIFY_BLOCKS, up to the runner's largest)
+    max_block: int  # 1 (plain decode) or the runner's largest block (verification)
     pages: int = 0  # page-table width: a power of two >= MIN_TABLE_PAGES covering the longest context
 
 
@@ -130,7 +125,6 @@ class StepGraphs:
                  commits: bool = True):
         self.model, self.cache = model, cache
         self.max_block = max_block
-        self.blocks = sorted({b for b in VERIFY_BLOCKS if 1 < b < max_block} | {max_block})  # verification buckets
         self.spare_page, self.spare_slot = spare_page, spare_slot
         self.width = page_table_width
         self.return_hidden, self.extra_token, self.collect_counts = return_hidden, extra_token, collect_counts
@@ -160,8 +154,7 @@ class StepGraphs:
             return None
         # attention plans its KV splits for the table's width, so short contexts get a narrow table
         pages = min(self.width, max(MIN_TABLE_PAGES, 1 << max(0, max_pages - 1).bit_length()))
-        block = 1 if max_block == 1 else next(b for b in self.blocks if b >= max_block)
-        key = BucketKey(reqs, toks, block, pages)
+        key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block, pages)
         if key in self.failed or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
             return None
         return key
