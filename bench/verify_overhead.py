@@ -29,11 +29,24 @@ import workers.runner as runner_mod  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
 
 
-def time_steps(runner: ModelRunner, b: int, t: int, extra: bool, reps: int) -> float:
+KERNELS: dict[str, dict[str, float]] = {}  # --kernels: variant -> kernel name -> GPU us per replay
+
+
+def kernel_us(runner: ModelRunner, b: int, t: int, context: int, reps: int = 5) -> dict[str, float]:
+    """GPU us per replay of each kernel of a B x T verification step (torch.profiler over `reps` replays)."""
+    from bench.step_profile import _events
+
+    time_steps(runner, b, t, False, 1, context)  # captured before profiling
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        time_steps(runner, b, t, False, reps - 1, context)
+    return {k: us / reps for k, (us, _) in _events(prof, torch.autograd.DeviceType.CUDA).items()}
+
+
+def time_steps(runner: ModelRunner, b: int, t: int, extra: bool, reps: int, context: int = 8) -> float:
     """Median ms of `reps` replays of a B x T verification step (after one warm-up that captures)."""
     graphs = runner.step_graphs()
     spare_page, spare_slot = runner.cache.num_pages - 1, runner.cache.num_slots - 1
-    pages = [[spare_page] * (-(-(8 + t) // runner.cache.page_size))] * b
+    pages = [[spare_page] * (-(-(context + t) // runner.cache.page_size))] * b
     blocks = [[1] * t for _ in range(b)]
     key = graphs.bucket(b, b * t, t, len(pages[0]))
     extra_rows = [i * t + t - 1 for i in range(b)] if extra else []
@@ -42,13 +55,13 @@ def time_steps(runner: ModelRunner, b: int, t: int, extra: bool, reps: int) -> f
         if runner.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graphs.run(key, blocks, [8] * b, pages, [spare_slot] * b, [False] * b, extra_rows)
+            graphs.run(key, blocks, [context] * b, pages, [spare_slot] * b, [False] * b, extra_rows)
             end.record()
             end.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            graphs.run(key, blocks, [8] * b, pages, [spare_slot] * b, [False] * b, extra_rows)
+            graphs.run(key, blocks, [context] * b, pages, [spare_slot] * b, [False] * b, extra_rows)
             ms = (time.perf_counter() - t0) * 1e3
         if rep:
             times.append(ms)
@@ -64,6 +77,12 @@ def main() -> None:
     ap.add_argument("--max-verify", default="",
                     help="also budget's graphs for these max verification lengths (e.g. 4,8): the same B x T "
                          "steps in a bucket whose max block is K + 1 instead of 17")
+    ap.add_argument("--context", type=int, default=8, help="tokens already cached per request (attention's keys)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="per-kernel GPU time of budget's step and of its --max-verify variants (torch.profiler): "
+                         "prints the kernels that differ most")
+    ap.add_argument("--attn-no-m128", action="store_true",
+                    help="also budget's graphs with attention's 128-row verification tiles off")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -72,10 +91,11 @@ def main() -> None:
         build_bench_model(num_layers=args.layers, dtype=dtype, device=device, decisive=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     max_b = max(b for b, _ in shapes)
-    cache = ModelCache(model.config, 8, 16, max_b + 1, dtype, device)
+    pages_needed = -(-(args.context + max(t for _, t in shapes)) // 16)
+    cache = ModelCache(model.config, max(8, pages_needed + 1), 16, max_b + 1, dtype, device)
     runner_mod.MAX_GRAPH_SETS = 8  # budget at each K and hybridspec: keep every set
     runner = ModelRunner(model, cache)
-    why = runner.enable_graphs(max_b, 4, warm=False, capture=device == "cuda")
+    why = runner.enable_graphs(max_b, max(4, pages_needed), warm=False, capture=device == "cuda")
     assert why is None, why
     rows = []
     for b, t in shapes:
@@ -83,16 +103,38 @@ def main() -> None:
         for policy, extra in (("budget", False), ("hybridspec", False), ("hybridspec", True)):
             runner.set_policy(policy, 16)
             name = policy + ("+extra" if extra else "")
-            row[name] = time_steps(runner, b, t, extra, args.reps)
+            row[name] = time_steps(runner, b, t, extra, args.reps, args.context)
         row["hybridspec_over_budget_ms"] = row["hybridspec"] - row["budget"]
         for k in (int(v) for v in args.max_verify.split(",") if v):
             if t <= k + 1:
                 runner.set_policy("budget", k)
-                row[f"budget/max_block{k + 1}"] = time_steps(runner, b, t, False, args.reps)
+                row[f"budget/max_block{k + 1}"] = time_steps(runner, b, t, False, args.reps, args.context)
+                if args.kernels and device == "cuda":
+                    variant = kernel_us(runner, b, t, args.context)
+                    runner.set_policy("budget", 16)
+                    base = kernel_us(runner, b, t, args.context)
+                    diff = sorted(((base.get(n, 0.0) - variant.get(n, 0.0), n) for n in set(base) | set(variant)),
+                                  reverse=True)
+                    row[f"kernels_us/max_block17_vs_{k + 1}"] = {n: [base.get(n, 0.0), variant.get(n, 0.0)]
+                                                                 for _, n in diff}
+                    print(f"  kernels, bucket of max block 17 vs {k + 1}: sum {sum(base.values()):.0f} vs "
+                          f"{sum(variant.values()):.0f} us; most different:", flush=True)
+                    for d, n in diff[:8] + diff[-3:]:
+                        print(f"    {d:+8.1f} us  {base.get(n, 0.0):8.1f} vs {variant.get(n, 0.0):8.1f}  {n[:90]}",
+                              flush=True)
         rows.append(row)
         print(f"B={b} T={t}: budget {row['budget']:.3f} ms, hybridspec {row['hybridspec']:.3f} ms "
               f"(+{row['hybridspec_over_budget_ms']:.3f}), with extra tokens {row['hybridspec+extra']:.3f} ms",
               flush=True)
+        if args.attn_no_m128:
+            import kernels.attention_triton as attn
+            saved = attn.ATTN_TILES.pop(128, None)
+            runner._graphs.clear()  # a fresh set, captured with the other tile
+            runner.set_policy("budget", 16)
+            row["budget/attn_no_m128"] = time_steps(runner, b, t, False, args.reps, args.context)
+            if saved is not None:
+                attn.ATTN_TILES[128] = saved
+            runner._graphs.clear()
         print("  " + ", ".join(f"{n} {v:.3f} ms" for n, v in row.items() if n.startswith("budget/")), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
