@@ -51,9 +51,9 @@ EXTRA_FROM = 8
 # length its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (a plan that uses the margin widens it next
 # step). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
 # block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at fd90476). A margin of
-# 2 still drafted ~7 per request to verify 4 at c=64/0.7 (drafter 5.3 ms of GPU a step against fixed4's 2.4, step
-# timeline at c5013e8); 1 is the least that lets the plans grow.
-DRAFT_WINDOW, DRAFT_MARGIN = 32, 1
+# 1 (the least that lets plans grow) was no better end to end: hybridspec x ar at c=16/64, acceptance 0.7/0.95,
+# margin 1 vs 2: 1.35 / 3.65 / 1.19 / 2.49 vs 1.43 / 3.64 / 1.19 / 2.46 (f46aef2, one run each, bench/NOTES.md).
+DRAFT_WINDOW, DRAFT_MARGIN = 32, 2
 
 
 @dataclass(frozen=True)
