@@ -401,32 +401,6 @@ def sweep():
     log("sweep (verify without state write / commit, us):\n" + "\n".join(lines))
 
 
-@section
-def inverse():
-    """(I + A)^-1 by forward substitution ("loop") or by doubling, in the block kernel's verification without a
-    state write: bf16 checks (random and ill-conditioned keys) and CUDA-graph timings at B in {1, 8, 32}, T = 16."""
-    res = RESULTS.setdefault("inverse", {"checks": {}, "us": {}})
-    lens = [1, 5, 17, 16, 3, 9, 12, 2]
-    perm = torch.randperm(40, device=DEV)[:8]
-    for correlated in (False, True):
-        q, k, v, g, beta, cu = make_block(lens, 200 + correlated, correlated=correlated)
-        pool = make_pool(40, 210)
-        o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, pool.clone(), perm, 17, write_state=False)
-        for inv in ("loop", "doubling"):
-            o = gt.gdn_triton(q, k, v, g, beta, cu, pool.clone(), perm, 17, write_state=False, impl="block", inv=inv)
-            res["checks"][f"{'correlated' if correlated else 'random'}/{inv}"] = rel(o, o_ref)
-    for bsz, t in ((1, 16), (8, 16), (32, 16)):
-        R, pool, slot_sets, blk = setup(bsz, t)
-        for inv in ("loop", "doubling"):
-            for bv in (32, 64):
-                cfg = dict(bv=bv, num_warps=4, inv=inv)
-                res["us"][f"B{bsz}_T{t}/{inv}/bv{bv}"] = graph_us(verify_calls(bsz, t, cfg, "verify", pool,
-                                                                              slot_sets, blk), R)
-        del pool
-    log("inverse: checks (rel. error of o, bf16):", json.dumps(res["checks"]))
-    log("inverse: verify without state write, us:\n" + "\n".join(f"  {k:28s} {u:7.2f}" for k, u in res["us"].items()))
-
-
 def best_cfg(bsz=None):
     """The block config with the lowest sum of time / best time over the sweep points with this batch size (all
     points when bsz is None or not swept)."""

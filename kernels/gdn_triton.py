@@ -57,11 +57,6 @@ CHUNK_WARPS = 4
 DOT_PRECISION = os.environ.get("HYBRIDSPEC_GDN_DOT", "tf32x3")  # dots that feed a state that is written
 DOT_PRECISION_OUT = os.environ.get("HYBRIDSPEC_GDN_DOT_OUT", "tf32")  # dots that feed only outputs
 VERIFY_TRANS = os.environ.get("HYBRIDSPEC_GDN_TRANS", "1") == "1"  # state tile kept transposed (wgmma-shaped)
-# (I + A)^-1 of the block kernel (transposed layout): "loop" (forward substitution, BT - 2 dependent row updates)
-# or "doubling" (prod_j (I + (-A)^(2^j)): log2(BT) - 1 squarings and products as tensor-core dots). Doubling only
-# where no state is written (verification outputs): on ill-conditioned keys it is ~1e-5 relative against the
-# substitution's ~2e-7 in fp32 (tests/test_kernels_gdn.py), fine for bf16 outputs, not for states carried on.
-GDN_INV = os.environ.get("HYBRIDSPEC_GDN_INV", "loop")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -124,12 +119,11 @@ def _block_step_t(ST, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row0, n, hk, hv,
                   s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
                   DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_OUT: tl.constexpr, L2NORM: tl.constexpr, PS: tl.constexpr, PO: tl.constexpr,
-                  UPDATE: tl.constexpr, INV: tl.constexpr, INV_STEPS: tl.constexpr, PINV: tl.constexpr):
+                  UPDATE: tl.constexpr = True):
     """_block_step on the transposed state tile ST = S^T [BV, BK]: every state product has the value tile as
     its M dimension (BV = 64 -> Hopper wgmma, operands staged in shared memory instead of being replicated in
     every warp's registers). The [BT, BT] products k k^T and q k^T are summed over KC-wide column chunks for
-    the same reason. PS: precision of the dots that feed the state and v_new; PO: of the output-only dots.
-    INV 1: (I + A)^-1 by doubling (INV_STEPS = log2(BT) - 1 squarings, dots in PINV); 0: forward substitution."""
+    the same reason. PS: precision of the dots that feed the state and v_new; PO: of the output-only dots."""
     KC: tl.constexpr = 32
     t = tl.arange(0, BT)  # [BT]
     dk = tl.arange(0, BK)  # [BK]
@@ -172,22 +166,11 @@ def _block_step_t(ST, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row0, n, hk, hv,
     lower_eq = tj <= ti  # [BT, BT]
     decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT]
     y = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT] = -A
-    eye = (ti == tj).to(tl.float32)  # [BT, BT]
-    if INV == 1:
-        # A is strictly lower, so (-A)^BT = 0 and (I + A)^-1 = sum_k (-A)^k = prod_j (I + (-A)^(2^j)), j < log2(BT):
-        # the factors are polynomials in A (they commute); rows of padding tokens are zero (beta = 0 there)
-        p = y  # [BT, BT] (-A)^(2^j)
-        inv = eye + y
-        for _ in tl.static_range(INV_STEPS):
-            p = tl.dot(p, p, input_precision=PINV)
-            inv = tl.dot(inv, eye + p, input_precision=PINV)
-    else:
-        for i in range(2, n):
-            a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT]
-            a = a + tl.sum(a[:, None] * y, axis=0)
-            y = tl.where(ti == i, a[None, :], y)
-        inv = y + eye
-    inv_t = tl.trans(inv)  # [BT, BT] ((I + A)^-1)^T
+    for i in range(2, n):
+        a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT]
+        a = a + tl.sum(a[:, None] * y, axis=0)
+        y = tl.where(ti == i, a[None, :], y)
+    inv_t = tl.trans(y + (ti == tj).to(tl.float32))  # [BT, BT] ((I + A)^-1)^T
 
     km = tm[:, None] & (dk < DK)[None, :]  # [BT, BK]
     k = tl.load(k_rows + dk[None, :], mask=km, other=0.0).to(tl.float32) * rk[:, None]  # [BT, BK] normalised
@@ -242,9 +225,6 @@ def _gdn_fwd_kernel(
     PREC_OUT: tl.constexpr,  # precision of the dots that only feed outputs
     TRANS: tl.constexpr,  # keep the state transposed, S^T [BV, BK] (_block_step_t)
     SINGLE: tl.constexpr,  # every request's block fits in one BT block (verification): no loop
-    INV: tl.constexpr,  # (I + A)^-1 in _block_step_t: 1 doubling, 0 forward substitution
-    INV_STEPS: tl.constexpr,  # log2(BT) - 1
-    PINV: tl.constexpr,  # precision of the doubling's dots
 ):
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -267,8 +247,7 @@ def _gdn_fwd_kernel(
                 if TRANS:
                     S = _block_step_t(S, pk_ptr, pk_ptr, pv_ptr, pg_ptr, pb_ptr, o_ptr, p0, n_prev, hk, hv, v0,
                                       scale, s_pkn, s_pkh, s_pkn, s_pkh, s_pvn, s_pvh, s_pgn, s_pgh, s_pbn, s_pbh,
-                                      s_on, s_oh, DK, DV, BT, BK, BV, False, L2NORM, PREC, PREC_OUT, True, 0,
-                                      INV_STEPS, PINV)
+                                      s_on, s_oh, DK, DV, BT, BK, BV, False, L2NORM, PREC, PREC_OUT)
                 else:
                     S = _block_step(S, pk_ptr, pk_ptr, pv_ptr, pg_ptr, pb_ptr, o_ptr, p0, n_prev, hk, hv, v0,
                                     scale, s_pkn, s_pkh, s_pkn, s_pkh, s_pvn, s_pvh, s_pgn, s_pgh, s_pbn, s_pbh,
@@ -277,16 +256,14 @@ def _gdn_fwd_kernel(
         if SINGLE and TRANS:
             S = _block_step_t(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, bos, seq_len, hk, hv, v0, scale,
                               s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
-                              DK, DV, BT, BK, BV, HAS_OUT, L2NORM, PREC_MAIN, PREC_OUT, WRITE != 0, INV, INV_STEPS,
-                              PINV)
+                              DK, DV, BT, BK, BV, HAS_OUT, L2NORM, PREC_MAIN, PREC_OUT, WRITE != 0)
         else:
             for c0 in range(0, seq_len, BT):
                 if TRANS:
                     S = _block_step_t(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, bos + c0,
                                       tl.minimum(seq_len - c0, BT), hk, hv, v0, scale,
                                       s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
-                                      DK, DV, BT, BK, BV, HAS_OUT, L2NORM, PREC_MAIN, PREC_OUT, True, INV,
-                                      INV_STEPS, PINV)
+                                      DK, DV, BT, BK, BV, HAS_OUT, L2NORM, PREC_MAIN, PREC_OUT)
                 else:
                     S = _block_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, bos + c0, tl.minimum(seq_len - c0, BT),
                                     hk, hv, v0, scale,
@@ -402,14 +379,11 @@ def _write_mode(write_state: bool | Tensor, dummy: Tensor) -> tuple[int, Tensor]
 
 
 def _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, *, scale, use_qk_l2norm, write, wmask, has_out,
-            commit, keep, prev, bt, bv, warps, prec, prec_out, trans, single, inv=None):
+            commit, keep, prev, bt, bv, warps, prec, prec_out, trans, single):
     heads_k, dim_k = k.shape[1], k.shape[2]
     heads_v, dim_v = v.shape[1], v.shape[2]
     assert heads_v % heads_k == 0 and state.stride(-1) == 1 and state.shape[1:] == (heads_v, dim_k, dim_v)
     bsz = slots.shape[0]
-    inv = inv or GDN_INV
-    if inv not in ("loop", "doubling"):
-        raise ValueError(f"GDN inverse (inv / HYBRIDSPEC_GDN_INV) must be 'loop' or 'doubling', got {inv!r}")
     bk = max(16, triton.next_power_of_2(dim_k))
     bv = min(bv, max(16, triton.next_power_of_2(dim_v)))
     if prev is None:
@@ -433,7 +407,6 @@ def _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, *, scale, use_qk_l2no
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BV=bv, HAS_OUT=has_out, WRITE=write,
         COMMIT=commit, REPLAY=int(replay), L2NORM=use_qk_l2norm, PREC=prec,
         PREC_MAIN=prec if (write != 0 or commit) else prec_out, PREC_OUT=prec_out, TRANS=trans, SINGLE=single,
-        INV=int(inv == "doubling" and write == 0 and not commit), INV_STEPS=max(0, bt.bit_length() - 2), PINV=prec,
         num_warps=warps,
     )
 
@@ -476,7 +449,6 @@ def gdn_triton(
     precision: str | None = None,
     precision_out: str | None = None,
     trans: bool | None = None,
-    inv: str | None = None,  # (I + A)^-1: "loop" or "doubling" (GDN_INV)
 ) -> Tensor:
     """gdn_ref in one launch: o [N, HV, DV] in v's dtype. Blocks of 16/32 tokens for verification (one block per
     request), CHUNK_BT for longer (prefill) requests; the keyword-only arguments are for measurement."""
@@ -513,7 +485,7 @@ def gdn_triton(
             wmask=wmask, has_out=True, commit=False, keep=slots, prev=None, bt=bt, single=max_len <= bt,
             bv=bv or (CHUNK_BV if long else VERIFY_BV), warps=num_warps or (CHUNK_WARPS if long else VERIFY_WARPS),
             prec=precision or DOT_PRECISION, prec_out=precision_out or DOT_PRECISION_OUT,
-            trans=VERIFY_TRANS if trans is None else trans, inv=inv)
+            trans=VERIFY_TRANS if trans is None else trans)
     return o
 
 

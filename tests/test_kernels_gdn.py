@@ -72,51 +72,6 @@ def case_verify(impl):
     return errs
 
 
-def case_inverse_doubling():
-    """The block kernel with (I + A)^-1 by doubling (prod_j (I + (-A)^(2^j))) instead of forward substitution:
-    blocks of 16 (T = 16, 5, 9: three squarings) and 32 (T = 17: four), without, with and with a masked state
-    write, ill-conditioned keys (near one direction, beta near 1, slow decay), and chunked prefill (blocks of 16).
-    Doubling is used only where no state is written: those calls must equal the substitution's exactly."""
-    from kernels.gdn import gdn_chunk_ref, gdn_recurrent_ref
-    from kernels.gdn_triton import gdn_chunk_triton, gdn_triton
-
-    errs = {}
-    for lens in ([16, 5, 9], [1, 3, 17]):
-        for wname, ws in _write_modes().items():
-            q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=12)
-            s_ref, s_tri = state.clone(), state.clone()
-            o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, s_ref, slots, max(lens), write_state=ws)
-            o_tri = gdn_triton(q, k, v, g, beta, cu, s_tri, slots, max(lens), write_state=ws, impl="block",
-                               inv="doubling")
-            errs[f"{lens}/{wname}/o"], errs[f"{lens}/{wname}/state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
-            s_loop = state.clone()
-            o_loop = gdn_triton(q, k, v, g, beta, cu, s_loop, slots, max(lens), write_state=ws, impl="block",
-                                inv="loop")
-            if wname == "nowrite":  # the doubling really ran: not bitwise the substitution's result
-                errs[f"{lens}/doubling_ran"] = 0.0 if not torch.equal(o_tri, o_loop) else 1.0
-            else:  # a state-writing call keeps the substitution
-                errs[f"{lens}/{wname}/substitution_kept"] = 0.0 if torch.equal(o_tri, o_loop) and torch.equal(
-                    s_tri, s_loop) else 1.0
-    q, k, v, g, beta, cu, state, slots = _gdn_inputs([16, 7, 12], seed=13)
-    k = (0.2 * k + 3.0 * torch.randn(1, 1, DK, generator=torch.Generator().manual_seed(14))).contiguous()
-    beta, g = 0.9 + 0.1 * beta, 0.05 * g
-    s_ref, s_tri = state.clone(), state.clone()
-    o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, s_ref, slots, 16)
-    o_tri = gdn_triton(q, k, v, g, beta, cu, s_tri, slots, 16, impl="block", inv="doubling", write_state=False)
-    errs["correlated/o"] = _rel(o_tri, o_ref)  # ~1e-5: the doubling's rounding on an ill-conditioned system
-    q, k, v, g, beta, cu, state, slots = _gdn_inputs([1, 64, 50], seed=15)
-    s_ref, s_tri = state.clone(), state.clone()
-    o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, slots, 64)
-    o_tri = gdn_chunk_triton(q, k, v, g, beta, cu, s_tri, slots, 64, inv="doubling")
-    errs["chunk/o"], errs["chunk/state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
-    try:
-        gdn_triton(q, k, v, g, beta, cu, state.clone(), slots, 64, impl="block", inv="lu")
-        errs["bad_inv_rejected"] = 1.0
-    except ValueError as e:
-        errs["bad_inv_rejected"] = 0.0 if "'loop' or 'doubling'" in str(e) else 1.0
-    return errs
-
-
 def case_verify_options():
     """scale given, no l2norm, T_i = 1 only (decode), the 32-token block (T = 17..32), and a request of no tokens
     between two others (a graph bucket's idle padding request: its state is neither read nor changed)."""
@@ -258,7 +213,6 @@ CASES = {
     "verify_block": lambda: case_verify("block"),
     "verify_seq": lambda: case_verify("seq"),
     "verify_options": case_verify_options,
-    "inverse_doubling": case_inverse_doubling,
     "commit": case_commit,
     "commit_verify_fused": case_commit_verify,
     "chunk_prefill": case_chunk,
