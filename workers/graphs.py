@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,7 +137,8 @@ class StepGraphs:
         # buckets (nothing to commit there): each kept scratch costs ~Nb x GDN layers x 28 KB at real shapes
         self.commits = commits
         self.tokens = token_buckets(max_tokens)
-        self.graphs: dict[BucketKey, _Graph] = {}
+        self.graphs: OrderedDict[BucketKey, _Graph] = OrderedDict()  # least recently used first
+        self.evictions = 0  # graphs dropped to make room (max_graphs) for a new bucket
         self.failed: dict[BucketKey, str] = {}  # buckets whose capture failed: those steps run eagerly
         self.pool = None
         device, vocab = model.device, model.config.vocab_size
@@ -156,7 +158,7 @@ class StepGraphs:
         # attention plans its KV splits for the table's width, so short contexts get a narrow table
         pages = min(self.width, max(MIN_TABLE_PAGES, 1 << max(0, max_pages - 1).bit_length()))
         key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block, pages)
-        if key in self.failed or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
+        if key in self.failed:
             return None
         return key
 
@@ -272,7 +274,11 @@ class StepGraphs:
         that cannot be captured...): the caller runs the step eagerly, and this bucket stays eager."""
         g = self.graphs.get(key)
         captured = g is None and self.capture
-        if g is None:
+        if g is not None:
+            self.graphs.move_to_end(key)
+        else:
+            while len(self.graphs) >= self.max_graphs:
+                self._evict()
             try:
                 g = self._new(key)
             except Exception as e:  # noqa: BLE001 - eager still works; remember why
@@ -354,6 +360,16 @@ class StepGraphs:
             pad -= take
             i -= 1
         return lens
+
+    def _evict(self) -> None:
+        """Drops the least recently used graph (a long-running server meets more buckets than it keeps: batch x
+        tokens x block x page-table width). Its memory goes back to the shared pool for the next capture, so the
+        GPU must be done with it first: one host sync, at a step that captures anyway."""
+        if self.capture:
+            torch.cuda.current_stream().synchronize()
+        key, _ = self.graphs.popitem(last=False)
+        self.evictions += 1
+        log.info("CUDA graph bucket %s dropped to make room (max_graphs=%d)", key, self.max_graphs)
 
     def commit(self, key: BucketKey, keep: list[int]) -> None:
         """Replays the commit: keep[i] accepted tokens of request i (0 for requests the forward advanced)."""
