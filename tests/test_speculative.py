@@ -486,7 +486,7 @@ def test_graph_padding_blocks_are_no_longer_than_the_real_blocks():
     """A bucket's padding goes to its last requests in blocks no longer than the step's longest real block where
     its requests suffice (the sequential GDN kernel walks a request's tokens in order: a longer padding block would
     be the step's critical path), else in the fewest equal blocks; every padding token is placed."""
-    from workers.graphs import PAD_BLOCK, BucketKey, StepGraphs, token_buckets
+    from workers.graphs import StepGraphs, token_buckets
 
     pad = StepGraphs._padding_lens
     assert pad(3, 10, 12, 17, 4) == [0, 0, 0, 0, 4, 4, 4]  # blocks of the longest real block (4)
@@ -496,7 +496,14 @@ def test_graph_padding_blocks_are_no_longer_than_the_real_blocks():
     with pytest.raises(RuntimeError, match="too few padding requests"):
         pad(2, 4, 11, 5, 1)
     # a bucket has enough padding requests for its largest padding in blocks of PAD_BLOCK
-    tokens = token_buckets(64 * 17)
+    for tokens in (token_buckets(64 * 17, 2), token_buckets(64 * 17, 4)):
+        _check_padding_requests(tokens)
+
+
+def _check_padding_requests(tokens):
+    from workers.graphs import PAD_BLOCK, BucketKey, StepGraphs
+
+    pad = StepGraphs._padding_lens
     for max_block in (1, 5, 17):
         for i in range(1, len(tokens)):
             graphs = StepGraphs.__new__(StepGraphs)
@@ -532,3 +539,18 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     assert tokens == reference
     assert calls["all"] > 0 and calls["none"] == 0  # every decode/verify step ran in a bucket
     assert graphs.evictions > 0 and len(graphs.graphs) <= 2
+
+
+def test_token_buckets_quarter_steps_on_request(monkeypatch):
+    """HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE=4 adds quarter steps from 64 tokens on (for measurement); the default
+    keeps half / third steps; any other value is refused with the variable's name and the allowed values."""
+    from workers.graphs import token_buckets
+
+    assert token_buckets(1088) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                                   1088]
+    monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE", "4")
+    assert token_buckets(400) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320,
+                                  384, 400]
+    monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE", "3")
+    with pytest.raises(ValueError, match="HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE must be 2 or 4"):
+        token_buckets(100)
