@@ -317,8 +317,7 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance, monk
 
 def test_small_batches_send_no_extra_token_and_run_no_router_correction(reference):
     """Below the EXTRA_FROM batch-size bucket hybridspec sends no extra token and its verification graphs run no
-    router correction (the token mask is the padding mask) and no routing statistics kernels; tokens stay
-    identical, and the policy still learns its steps' times (without observed distinct experts)."""
+    router correction (the token mask is the padding mask); tokens stay identical."""
     from workers.policy import EXTRA_FROM
 
     n = EXTRA_FROM // 2  # a batch of n requests: below the threshold's bucket
@@ -332,8 +331,6 @@ def test_small_batches_send_no_extra_token_and_run_no_router_correction(referenc
     assert runner.policy.extra_keep == {}
     verify = [g for g in runner.step_graphs().graphs.values() if not g.plain]
     assert verify and all(not g.corrects and g.moe.token_mask is g.moe.row_mask for g in verify)
-    assert all(not g.counts and not g.moe.expert_counts and not g.moe.distinct_experts for g in verify)
-    assert runner.policy.latency.num_samples > 0 and runner.policy.bucket_costs  # served steps were learned
 
 
 def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, perturbed_dir):
