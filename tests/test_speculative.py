@@ -512,7 +512,7 @@ def _check_padding_requests(tokens):
             assert max(pad(0, p, largest, max_block, 1), default=0) <= min(max_block, PAD_BLOCK)
 
 
-def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference):
+def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference, monkeypatch):
     """A graph set meets more buckets than it keeps in a long run (batch x tokens x block x page width): past
     max_graphs the least recently used graph is dropped and the new bucket captured, so no step falls back to an
     eager forward (measured at 4031e7c: a set past its 96 graphs ran eager steps, 0.73x ar at c=64); tokens stay
@@ -520,8 +520,11 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.6))
     for prompt, ref in list(zip(PROMPTS, reference))[::2]:
         llm.set_replay_reference(prompt, ref)
+    import workers.graphs
+
     graphs = llm.engine.executor.runner.step_graphs()
     graphs.max_graphs = 2
+    monkeypatch.setattr(workers.graphs, "EVICT_EVERY", 0)  # every new bucket may evict (the rate limit: below)
     calls = {"none": 0, "all": 0}
     run_bucket = graphs.run
 
@@ -536,6 +539,16 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     assert tokens == reference
     assert calls["all"] > 0 and calls["none"] == 0  # every decode/verify step ran in a bucket
     assert graphs.evictions > 0 and len(graphs.graphs) <= 2
+    # rate limit: with a full set, a new bucket within EVICT_EVERY runs of the last eviction runs eagerly (None)
+    monkeypatch.setattr(workers.graphs, "EVICT_EVERY", 10 ** 6)
+    graphs._runs_since_evict = 0
+    evictions, calls["none"] = graphs.evictions, 0
+    llm2_tokens, _ = run(llm)
+    assert llm2_tokens == reference and graphs.evictions == evictions
+    assert calls["none"] > 0 and len(graphs.graphs) <= 2
+    with pytest.raises(ValueError, match="max_graphs must be >= 2"):
+        type(graphs)(graphs.model, graphs.cache, max_block=2, spare_page=0, spare_slot=0, page_table_width=1,
+                     max_tokens=4, max_graphs=1)
 
 
 def test_token_buckets_quarter_steps_on_request(monkeypatch):

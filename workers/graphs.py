@@ -44,6 +44,7 @@ from workers.cache import ModelCache, StepScratch
 from workers.model import HybridModel, MoEContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+EVICT_EVERY = 32  # runs of a full graph set between two evictions (more often: new buckets run eagerly)
 PAD_BLOCK = 4  # a bucket has padding requests for its largest padding in blocks of this many tokens (or max block)
 MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages share one)
 log = logging.getLogger(__name__)
@@ -145,6 +146,8 @@ class StepGraphs:
         self.return_hidden, self.extra_token, self.collect_counts = return_hidden, extra_token, collect_counts
         self.extra_from = extra_from  # the router correction only in buckets of this many requests or more
         self.capture = model.device.type == "cuda" if capture is None else capture
+        if max_graphs < 2:  # eviction keeps at least one graph holding the shared memory pool
+            raise ValueError(f"max_graphs must be >= 2, got {max_graphs}")
         self.max_graphs = max_graphs
         # commits=False (a drafter's graphs): no commit graph and no block inputs kept; nor for plain decode
         # buckets (nothing to commit there): each kept scratch costs ~Nb x GDN layers x 28 KB at real shapes
@@ -152,6 +155,7 @@ class StepGraphs:
         self.tokens = token_buckets(max_tokens)
         self.graphs: OrderedDict[BucketKey, _Graph] = OrderedDict()  # least recently used first
         self.evictions = 0  # graphs dropped to make room (max_graphs) for a new bucket
+        self._runs_since_evict = EVICT_EVERY
         self.failed: dict[BucketKey, str] = {}  # buckets whose capture failed: those steps run eagerly
         self.pool = None
         device, vocab = model.device, model.config.vocab_size
@@ -282,14 +286,21 @@ class StepGraphs:
     def run(self, key: BucketKey, blocks: list[list[int]], context_lens: list[int], page_rows: list[list[int]],
             slots: list[int], write: list[bool], extra_rows: list[int]) -> StepOutputs | None:
         """One step in bucket `key` (captured first if new). None if the capture failed (out of memory, a kernel
-        that cannot be captured...): the caller runs the step eagerly, and this bucket stays eager."""
+        that cannot be captured...): the caller runs the step eagerly, and this bucket stays eager; None too for a
+        new bucket while the set is full and its last eviction was less than EVICT_EVERY runs ago."""
         g = self.graphs.get(key)
         captured = g is None and self.capture
+        self._runs_since_evict += 1
         if g is not None:
             self.graphs.move_to_end(key)
         else:
-            while len(self.graphs) >= self.max_graphs:
-                self._evict()
+            if len(self.graphs) >= self.max_graphs:
+                # a working set larger than the set would re-capture at every step (two warm-up forwards and a
+                # capture each): at most one eviction per EVICT_EVERY runs, new buckets run eagerly in between
+                if self._runs_since_evict < EVICT_EVERY:
+                    return None
+                while len(self.graphs) >= self.max_graphs:
+                    self._evict()
             try:
                 g = self._new(key)
             except Exception as e:  # noqa: BLE001 - eager still works; remember why
@@ -380,6 +391,7 @@ class StepGraphs:
             torch.cuda.current_stream().synchronize()
         key, _ = self.graphs.popitem(last=False)
         self.evictions += 1
+        self._runs_since_evict = 0
         log.info("CUDA graph bucket %s dropped to make room (max_graphs=%d)", key, self.max_graphs)
 
     def commit(self, key: BucketKey, keep: list[int]) -> None:
