@@ -101,6 +101,7 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         assert len(runs) == 2 and min(runs) <= row["decode_tokens_per_s"] <= max(runs)  # the sum of both runs
         assert row["speedup_vs_ar"] == row["decode_tokens_per_s"] / cell_ar["decode_tokens_per_s"]
         assert row["greedy_match"] == 1.0 and row["tokens_per_step_mean"] >= 2  # two requests, plus drafts
+        assert row["eager_decode_steps"] == 0  # every decode step in a graph bucket (reported when one is not)
         binned = sum(n for n, _ in row["step_ms_by_tokens"].values())  # decode steps (no prefill, no capture)
         assert 0 < binned <= row["steps"] - row["capture_steps"]
     for bad in (["--policies", "ar,budget"], ["--repeats", "0"]):

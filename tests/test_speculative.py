@@ -535,7 +535,18 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
         return out
 
     graphs.run = counting
+    runner = llm.engine.executor.runner
+    eager_flags = []
+    execute = runner.execute
+
+    def recording(*args, **kwargs):
+        result = execute(*args, **kwargs)
+        eager_flags.append(runner.last_step_eager)
+        return result
+
+    runner.execute = recording
     tokens, stats = run(llm)
+    assert eager_flags and not any(eager_flags)
     assert tokens == reference
     assert calls["all"] > 0 and calls["none"] == 0  # every decode/verify step ran in a bucket
     assert graphs.evictions > 0 and len(graphs.graphs) <= 2
@@ -546,6 +557,7 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     llm2_tokens, _ = run(llm)
     assert llm2_tokens == reference and graphs.evictions == evictions
     assert calls["none"] > 0 and len(graphs.graphs) <= 2
+    assert any(eager_flags)  # the runner reports those steps (bench/e2e.py counts them per row)
     with pytest.raises(ValueError, match="max_graphs must be >= 2"):
         type(graphs)(graphs.model, graphs.cache, max_block=2, spare_page=0, spare_slot=0, page_table_width=1,
                      max_tokens=4, max_graphs=1)
