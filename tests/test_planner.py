@@ -677,6 +677,50 @@ def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
     assert lengths[-1] < 8 and small.extra_tokens(lengths, [8, 8]) == set()
 
 
+def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket():
+    """Costs are step-shaped by the graphs' token buckets. Extra tokens that fit under the bucket's top cost little
+    and are sent (best gains first); the ones that would carry the step past it pay the jump together, and are sent
+    only where their gains together are worth it (measured: a 243-token plan at c=64 sent ~60 extras into the
+    384-token bucket, 28.8 ms a step against 26.6 without them)."""
+    from scheduler.latency_model import LatencyCoefs, TokenCostTable
+    from scheduler.planner import Plan
+    from workers.policy import EXTRA_FROM, LengthPolicy, SlopeFloor
+
+    b = max(EXTRA_FROM, 16)
+    policy = LengthPolicy("hybridspec", _moe_config(), max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.002, ms_per_expert=0.0)
+    # flat to 64 tokens (the bucket's top), 4 ms more from 65 on
+    cost = SlopeFloor(TokenCostTable([16, 64, 65, 96], [10.0, 10.1, 14.1, 14.2]), policy.latency.coefs.ms_per_token)
+    lengths = [2] * (b - 4) + [3] * 4  # 16 + 36 = 52 tokens with the b pending ones (b = 16)
+    survival = [[0.9 ** (j + 1) for j in range(8)] for _ in range(b)]
+    survival[-1] = [0.99 ** (j + 1) for j in range(8)]  # the best extra draft
+    base = b
+    total = base + sum(lengths)
+    assert total < 64
+    plan = Plan(lengths, expected_tokens=b * 3.0, step_ms=12.0)
+
+    def extras(keep=(2.0, 2.0)):
+        policy.extra_keep[16] = keep
+        policy._last_plan = (survival, cost, plan, base)
+        policy._predicted_ms = plan.step_ms
+        return policy.extra_tokens(lengths, [8] * b)
+
+    sent = extras()
+    assert len(sent) == 64 - total == 64 - 52 and b - 1 in sent  # fills the bucket to its top, best gains first
+    assert policy._predicted_ms == pytest.approx(12.0 + cost.cost_ms(64) - cost.cost_ms(total))
+    # the same plan one token short of the top: one extra, not sixteen past it
+    lengths2 = [3] * (b - 1) + [2]  # 16 + 47 = 63
+    policy.extra_keep[16] = (2.0, 2.0)
+    policy._last_plan = (survival, cost, Plan(lengths2, b * 3.0, 12.0), base)
+    assert policy.extra_tokens(lengths2, [8] * b) == {b - 1}
+    # a cheap jump (no bucket step) and good gains: every candidate
+    flat = SlopeFloor(TokenCostTable([16, 96], [10.0, 10.2]), 0.002)
+    policy._last_plan = (survival, flat, plan, base)
+    assert policy.extra_tokens(lengths, [8] * b) == set(range(b))
+    # gains that never pay for a token: none
+    assert extras(keep=(0.0, 100.0)) == set()
+
+
 def test_cost_ranges_equal_pointwise_costs():
     """budget_plan reads a whole range of step costs at once (costs_ms): it equals cost_ms point by point for
     the token table (inside, between and beyond its points) and the model's token cost; the grouped

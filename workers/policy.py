@@ -409,15 +409,18 @@ class LengthPolicy:
 
     def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:
         """Requests that get the router correction's extra token (the draft after their L_i, sent to the first
-        MoE router and kept only if the batch covers its experts). The rule: send it where its expected gain,
-        P(kept) x survival of that draft, per ms of one more token without new experts (the cost's slope at this
-        step less the latency model's expert part of it, at least ms_per_token: a dropped token costs no expert
-        work, a kept one touches only covered experts) beats the plan's goodput (expected tokens per ms of the
-        whole step); the plan left that draft out at its full cost. P(kept) is measured per batch-size bucket
-        (optimistic at first, so it gets measured). Small batches rarely cover a token's experts: below the
-        EXTRA_FROM batch-size bucket no extra token is sent (the rule's dense-row price missed what sending it
-        cost there: measured 3-5% end to end at c=1), and those buckets' graphs run no router correction.
-        Without a plan of this step: every request with L_i < cap_i."""
+        MoE router and kept only if the batch covers its experts). The rule: send the m best candidates (by
+        expected gain, P(kept) x survival of that draft) for the m that maximizes the step's goodput
+        (expected tokens + their gains) / (predicted step ms + what m more tokens add to the cost without new
+        experts: the cost curve at this step less the latency model's expert part of it, at least ms_per_token a
+        token). A dropped token costs no expert work, a kept one touches only covered experts. The cost curve is
+        the measured one, step-shaped by the graphs' token buckets: extra tokens that would carry a step past a
+        bucket's top pay that bucket's jump together (before, each was priced at the slope where the plan ended,
+        so a plan of 243 tokens sent ~60 extra tokens into the 384-token bucket at c=64: 28.8 ms a step against
+        26.6 without them, run 17/18 of bench/NOTES.md). P(kept) is measured per batch-size bucket (optimistic
+        at first, so it gets measured). Small batches rarely cover a token's experts: below the EXTRA_FROM
+        batch-size bucket no extra token is sent (measured 3-5% end to end at c=1), and those buckets' graphs run
+        no router correction. Without a plan of this step: every request with L_i < cap_i."""
         if SpeculationGate.bucket(len(lengths)) < EXTRA_FROM:
             self._last_plan = None
             return set()
@@ -427,26 +430,32 @@ class LengthPolicy:
         survival, cost, plan, base_tokens = self._last_plan
         candidates = [i for i in candidates if lengths[i] < len(survival[i])]  # a draft the plan could price
         self._last_plan = None
+        if not candidates:
+            return set()
         total = base_tokens + sum(lengths)
-        marginal = self._dense_token_ms(cost, total)
         kept, sent = self.extra_keep.get(SpeculationGate.bucket(len(lengths)), EXTRA_KEEP_PRIOR)
         p_keep = kept / sent
-        chosen = {i for i in candidates
-                  if p_keep * survival[i][lengths[i]] * plan.step_ms > marginal * plan.expected_tokens}
+        gains = np.array([p_keep * survival[i][lengths[i]] for i in candidates], dtype=np.float64)  # [k]
+        order = np.argsort(-gains, kind="stable")  # best first (ties: the request order)
+        added = self._dense_tokens_ms(cost, total, len(candidates))  # [k + 1] ms of m more tokens, m = 0..k
+        goodput = (plan.expected_tokens + np.concatenate(([0.0], np.cumsum(gains[order])))) / (plan.step_ms + added)
+        m = int(np.argmax(goodput))  # the first of equal goodputs: the fewest tokens
         if self._predicted_ms is not None:  # the step's prediction includes its extra rows' dense work
-            self._predicted_ms += marginal * len(chosen)
-        return chosen
+            self._predicted_ms += float(added[m])
+        return {candidates[j] for j in order[:m]}
 
-    def _dense_token_ms(self, cost: "SlopeFloor | ModelTokenCost", total: int) -> float:
-        """ms of one more token at this step's token count without new experts: the cost's measured slope less
-        the latency model's expert part of it, at least the model's ms_per_token."""
+    def _dense_tokens_ms(self, cost: "SlopeFloor | ModelTokenCost", total: int, k: int) -> np.ndarray:
+        """[k + 1]: ms that m = 0..k more tokens without new experts add to a step of `total` tokens: the cost
+        curve's rise less the latency model's expert part of it, at least the model's ms_per_token a token (a
+        token is never free)."""
+        costs = np.asarray(cost.costs_ms(total, total + k), dtype=np.float64)  # [k + 1]
+        rise = costs - costs[0]
+        m = np.arange(k + 1, dtype=np.float64)
         coefs = self.latency.coefs
-        pair = cost.costs_ms(total, total + 1)
-        slope = pair[1] - pair[0]
         if coefs is None:
-            return max(slope, 1e-9)
-        d = self._distinct_upto(total + 1)
-        return max(slope - coefs.ms_per_expert * (d[total + 1] - d[total]), coefs.ms_per_token, 1e-9)
+            return np.maximum(rise, 1e-9 * m)
+        d = np.asarray(self._distinct_upto(total + k)[total:total + k + 1], dtype=np.float64)  # [k + 1]
+        return np.maximum(rise - coefs.ms_per_expert * (d - d[0]), np.maximum(coefs.ms_per_token, 1e-9) * m)
 
     def observe_extra(self, batch_size: int, kept: int, sent: int) -> None:
         """The router correction kept `kept` of the `sent` extra tokens of a step (decayed counts per bucket)."""
