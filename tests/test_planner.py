@@ -680,8 +680,8 @@ def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
 def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket():
     """Costs are step-shaped by the graphs' token buckets. Extra tokens that fit under the bucket's top cost little
     and are sent (best gains first); the ones that would carry the step past it pay the jump together, and are sent
-    only where their gains together are worth it (measured: a 243-token plan at c=64 sent ~60 extras into the
-    384-token bucket, 28.8 ms a step against 26.6 without them)."""
+    only where their gains together are worth it (before, each extra was priced alone at the slope where the plan
+    ended, and a plan a few tokens under a bucket's top could send enough of them to land in the next bucket)."""
     from scheduler.latency_model import LatencyCoefs, TokenCostTable
     from scheduler.planner import Plan
     from workers.policy import EXTRA_FROM, LengthPolicy, SlopeFloor

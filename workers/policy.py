@@ -415,9 +415,10 @@ class LengthPolicy:
         experts: the cost curve at this step less the latency model's expert part of it, at least ms_per_token a
         token). A dropped token costs no expert work, a kept one touches only covered experts. The cost curve is
         the measured one, step-shaped by the graphs' token buckets: extra tokens that would carry a step past a
-        bucket's top pay that bucket's jump together (before, each was priced at the slope where the plan ended,
-        so a plan of 243 tokens sent ~60 extra tokens into the 384-token bucket at c=64: 28.8 ms a step against
-        26.6 without them, run 17/18 of bench/NOTES.md). P(kept) is measured per batch-size bucket (optimistic
+        bucket's top pay that bucket's jump together (before, each was priced alone at the slope where the plan
+        ended: a plan a few tokens under a bucket's top could send more extras than fit under it, and the step
+        ran in the next bucket; at c=64, 64 x 5 tokens took 15.0 ms in the 384-token bucket against 13.3 for
+        64 x 4 in the 256 one, bench/NOTES.md). P(kept) is measured per batch-size bucket (optimistic
         at first, so it gets measured). Small batches rarely cover a token's experts: below the EXTRA_FROM
         batch-size bucket no extra token is sent (measured 3-5% end to end at c=1), and those buckets' graphs run
         no router correction. Without a plan of this step: every request with L_i < cap_i."""
