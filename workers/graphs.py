@@ -61,9 +61,9 @@ def token_buckets(limit: int, per_octave: int | None = None) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, ... (steps of 1/2 and 1/3) up to >= limit: few graphs to
     capture; padded rows cost dense GEMM rows (masked out of the MoE) and padding requests' GDN / conv work.
     per_octave 4 (HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE=4, for measurement): quarter steps from 64 tokens on (64, 80,
-    96, 112, 128, 160, ...): at 64 x 5 tokens the 384-row bucket took 15.0 ms against 13.8 in a 325-row one (its
-    64 padding rows: cuBLAS's kernels at M=384, GDN and conv of the padding requests; bench/NOTES.md), at the price
-    of twice the graphs above 64 tokens."""
+    96, 112, 128, 160, ...): at 64 x 5 tokens the 384-row bucket took 15.0 ms against 13.8 in a 325-row one (1.3 ms
+    more kernel time: GDN and conv of the padding requests, GEMMs at M=384, the router's top-k; bench/NOTES.md), at
+    the price of twice the graphs above 64 tokens."""
     per_octave = per_octave or _buckets_per_octave()
     out = [1, 2, 3]
     base = 4
