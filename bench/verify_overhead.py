@@ -81,8 +81,6 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel GPU time of budget's step and of its --max-verify variants (torch.profiler): "
                          "prints the kernels that differ most")
-    ap.add_argument("--attn-no-m128", action="store_true",
-                    help="also budget's graphs with attention's 128-row verification tiles off")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -126,15 +124,6 @@ def main() -> None:
         print(f"B={b} T={t}: budget {row['budget']:.3f} ms, hybridspec {row['hybridspec']:.3f} ms "
               f"(+{row['hybridspec_over_budget_ms']:.3f}), with extra tokens {row['hybridspec+extra']:.3f} ms",
               flush=True)
-        if args.attn_no_m128:
-            import kernels.attention_triton as attn
-            saved = attn.ATTN_TILES.pop(128, None)
-            runner._graphs.clear()  # a fresh set, captured with the other tile
-            runner.set_policy("budget", 16)
-            row["budget/attn_no_m128"] = time_steps(runner, b, t, False, args.reps, args.context)
-            if saved is not None:
-                attn.ATTN_TILES[128] = saved
-            runner._graphs.clear()
         print("  " + ", ".join(f"{n} {v:.3f} ms" for n, v in row.items() if n.startswith("budget/")), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
