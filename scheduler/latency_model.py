@@ -593,3 +593,31 @@ class TokenCostTable:
     def dense_ms(self, max_tokens: int) -> list[float]:
         """cost_ms(t) for t = 0..max_tokens (a lookup table for planner_torch.budget_plan_device)."""
         return self.costs_ms(0, max_tokens)
+
+
+@dataclass
+class DraftCost:
+    """The drafter's ms per step by the rows it drafted (sum over requests of the block it was asked for, the
+    pending token included), at one batch-size bucket: measured on served steps, each row count's mean kept as
+    TokenCostTable keeps it. Row counts measured: interpolated, beyond the last along the table's fitted line;
+    below the first point (a narrower block than any measured), proportional to the rows (a drafter's forward,
+    or its sequence of forwards, scales with its block; proportional overstates the saving where part of the
+    cost is fixed, and the plan that acts on it measures the narrower block, which corrects it)."""
+
+    table: TokenCostTable = field(default_factory=TokenCostTable)
+
+    def observe(self, rows: int, ms: float) -> None:
+        if rows > 0 and ms >= 0:
+            self.table.observe(rows, ms, max_count=16.0)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.table.tokens)
+
+    def ms(self, rows: float) -> float:
+        ts = self.table.tokens
+        if not ts:
+            raise RuntimeError("draft cost is empty: observe a drafted step first")
+        if rows >= ts[0] and len(ts) >= 2:
+            return self.table.cost_ms(rows)
+        return self.table.cost_ms(ts[0]) * max(0.0, rows) / ts[0]

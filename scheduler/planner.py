@@ -251,6 +251,65 @@ def _budget_plan_numpy(survival: Sequence[Sequence[float]] | np.ndarray, caps: S
     return Plan(lengths.tolist(), float(gains[best]), float(den[best]))
 
 
+def width_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[int],
+               table: TokenCostTable | ModelTokenCost, base_tokens: int,
+               width_ms: Sequence[float] | np.ndarray, base_gain: float | None = None) -> tuple[Plan, int]:
+    """budget_plan's search with one more choice: the step's longest verification length c = 1..C, where a plan
+    whose lengths are all <= c pays width_ms[c] ms beyond the forward (C = len(width_ms) - 1). The drafter's
+    block per request follows the longest lengths recent plans chose, and its forward scales with the block:
+    a step's drafting is sunk once the drafts exist, but the plans decide what later steps draft. Pricing each
+    plan at the overhead of the block it implies (width_ms[c]: the steady state if plans stay <= c) keeps one
+    long length from making every request's drafting wide (bench/NOTES.md: at c=64, drafting 16 a request to
+    verify ~6 cost ~4 ms a step more than drafting 4).
+
+    For each c the best plan is budget_plan's over the drafts at positions j < c (the highest survival scores
+    of those, a prefix per request), so the search is exact for a token-count-only cost: [C, N] running sums
+    over the scores sorted once, O(C B K). Ties: the smallest c, then the fewest tokens. Returns the plan (its
+    step_ms: width_ms[c] + the forward's cost) and c."""
+    B = len(survival)
+    if len(caps) != B:
+        raise ValueError(f"caps ({len(caps)}) and survival ({B}) must have one entry per request")
+    widths = np.asarray(width_ms, dtype=np.float64)  # [C + 1] (index 0 unused)
+    if widths.ndim != 1 or widths.shape[0] < 2:
+        raise ValueError(f"width_ms must give the overhead of c = 1..C (C >= 1), got {widths.shape[0]} entries")
+    if isinstance(survival, np.ndarray):
+        S, lens = survival.astype(np.float64, copy=False), np.full(B, survival.shape[1] if B else 0)
+    else:
+        S, lens = pad_rows(survival)  # [B, K]
+        lens = np.array(lens, dtype=np.intp)
+    K = S.shape[1] if S.ndim == 2 else 0
+    cap = np.minimum(np.maximum(np.array(caps, dtype=np.intp).reshape(-1), 0), lens) if B else np.zeros(0, np.intp)
+    gain0 = float(B) if base_gain is None else float(base_gain)
+    idx = np.flatnonzero(np.arange(K) < cap[:, None]) if B and K else np.zeros(0, np.intp)  # [N] flat (i, j)
+    s = S.reshape(-1)[idx] if len(idx) else np.zeros(0)
+    order = np.argsort(-s, kind="stable")  # [N] best first, ties in (i, j) order
+    s_sorted, j_sorted = s[order], (idx[order] % K) if len(idx) else np.zeros(0, np.intp)
+    C = widths.shape[0] - 1
+    c_values = np.arange(1, C + 1)  # [C]
+    taken = j_sorted[None, :] < c_values[:, None]  # [C, N] the score is a draft at a position j < c
+    gains = gain0 + np.cumsum(np.where(taken, s_sorted[None, :], 0.0), axis=1)  # [C, N]
+    counts = np.cumsum(taken, axis=1)  # [C, N] drafts taken up to this score
+    costs_array = getattr(table, "costs_array", None)
+    lo, hi = base_tokens, base_tokens + len(s)
+    costs = costs_array(lo, hi) if costs_array is not None else np.array(table.costs_ms(lo, hi), np.float64)
+    over = widths[1:, None]  # [C, 1]
+    ratio = np.full((C, len(s) + 1), -np.inf)  # [C, N + 1]: column 0 takes nothing
+    den0 = over[:, 0] + costs[0]
+    if not den0.all() or not (over + costs[counts]).all():
+        raise ZeroDivisionError("float division by zero")
+    ratio[:, 0] = gain0 / den0
+    ratio[:, 1:] = np.where(taken, gains / (over + costs[counts]), -np.inf)
+    best = int(np.argmax(ratio))  # row-major: the smallest c, then the fewest tokens
+    ci, p = divmod(best, len(s) + 1)
+    chosen = idx[order[:p][taken[ci, :p]]] if p else np.zeros(0, np.intp)  # flat indices i * K + j
+    lengths = np.zeros(B, dtype=np.intp)
+    if len(chosen):
+        np.maximum.at(lengths, chosen // K, chosen % K + 1)
+    n = int(counts[ci, p - 1]) if p else 0
+    gain = float(gains[ci, p - 1]) if p else gain0
+    return Plan(lengths.tolist(), gain, float(widths[ci + 1] + costs[n])), int(c_values[ci])
+
+
 def plan_with_experts(survival: Sequence[Sequence[float]], caps: Sequence[int], coefs: LatencyCoefs,
                       base: StepComposition, estimator: ExpertEstimator,
                       footprints: Sequence[Footprint | None] | None = None, iterations: int = 2,

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -797,14 +798,110 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import ABLATIONS, LengthPolicy
 
     cfg = _moe_config()
-    expect = {"noextra": (False, True, True), "nocounts": (True, False, True), "lean": (False, False, True),
-              "nogate": (True, True, False)}
+    expect = {"noextra": (False, True, True, True), "nocounts": (True, False, True, True),
+              "lean": (False, False, True, True), "nogate": (True, True, False, True),
+              "nowidth": (True, True, True, False)}
     assert set(expect) == set(ABLATIONS)
-    for variant, (extra, counts, gate) in expect.items():
+    for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
-        assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None) == (extra, counts, gate)
+        assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
+                policy.plans_width) == parts
     with pytest.raises(ValueError, match="ablation must be one of"):
         LengthPolicy("hybridspec", cfg).ablate("nothing")
     with pytest.raises(ValueError, match="ablation must be one of"):
         LengthPolicy("budget", cfg).ablate("lean")
+
+
+def test_width_plan_is_budget_plan_for_a_flat_overhead_and_the_best_width_otherwise():
+    """width_plan: with the same overhead for every longest length c it is budget_plan; with overheads rising in
+    c it is the best of budget_plan over the drafts at j < c, each at its c's overhead (brute force), and its
+    lengths stay <= c."""
+    from scheduler.planner import width_plan
+
+    rng = np.random.default_rng(3)
+    table = TokenCostTable([1, 64, 128, 256, 512], [5.0, 6.0, 8.0, 12.0, 20.0])
+    for _ in range(150):
+        B, K = int(rng.integers(1, 24)), int(rng.integers(1, 12))
+        survival = survival_from_acceptance(rng.uniform(0.3, 0.99, (B, K)))
+        caps = rng.integers(0, K + 1, B).tolist()
+        flat = float(rng.uniform(0.0, 3.0))
+        ref = budget_plan(survival, caps, table, B, draft_ms=flat)
+        plan, c = width_plan(survival, caps, table, B, [0.0] + [flat] * K)
+        assert plan.lengths == ref.lengths
+        assert plan.step_ms == pytest.approx(ref.step_ms) and plan.expected_tokens == pytest.approx(ref.expected_tokens)
+        rising = [0.0, *np.sort(rng.uniform(0.0, 6.0, K))]
+        plan, c = width_plan(survival, caps, table, B, rising)
+        best = max(budget_plan(survival, [min(x, w) for x in caps], table, B, draft_ms=rising[w]).goodput_tokens_per_ms
+                   for w in range(1, K + 1))
+        assert plan.goodput_tokens_per_ms == pytest.approx(best)
+        assert max(plan.lengths) <= c and plan.step_ms >= rising[c]
+    with pytest.raises(ValueError, match="width_ms"):
+        width_plan([[0.9]], [1], table, 1, [0.0])
+
+
+def test_width_plan_keeps_one_long_length_from_widening_every_request():
+    """64 requests alike and one that the drafter is sure of: priced as sunk (budget_plan), the sure one is
+    verified 16 long, so every request drafts 16 next step; priced at the block it implies, the plan stops
+    where a wider block costs more than the sure request's extra drafts bring."""
+    from scheduler.planner import width_plan
+
+    table = TokenCostTable([64, 256, 512, 1088], [10.0, 17.0, 25.0, 42.0])
+    survival = [[0.7 ** (j + 1) for j in range(16)]] * 63 + [[0.99 ** (j + 1) for j in range(16)]]
+    caps = [16] * 64
+    sunk = budget_plan(survival, caps, table, 64, draft_ms=8.0)
+    assert max(sunk.lengths) == 16
+    width = [0.0] + [4.0 + 0.25 * min(c + 2, 16) for c in range(1, 17)]  # the drafter: 0.25 ms per width step
+    plan, c = width_plan(survival, caps, table, 64, width)
+    assert c < 16 and max(plan.lengths) == c
+    assert plan.goodput_tokens_per_ms > (sunk.expected_tokens / (sunk.step_ms - 8.0 + width[16]))
+
+
+def test_draft_cost_interpolates_what_it_measured_and_scales_below_it():
+    from scheduler.latency_model import DraftCost
+
+    cost = DraftCost()
+    assert not cost.measured
+    with pytest.raises(RuntimeError, match="draft cost is empty"):
+        cost.ms(10)
+    cost.observe(1088, 4.0)
+    assert cost.ms(1088) == pytest.approx(4.0)
+    assert cost.ms(544) == pytest.approx(2.0)  # one point: proportional either way
+    assert cost.ms(2176) == pytest.approx(8.0)
+    cost.observe(320, 2.0)
+    assert cost.ms(704) == pytest.approx(3.0)  # between the points: interpolated
+    assert cost.ms(160) == pytest.approx(1.0)  # below the first: proportional to it
+    cost.observe(0, 1.0)  # no rows: not a sample
+    assert cost.table.tokens == [320, 1088]
+
+
+def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
+    """With the drafter's cost measured per rows and the rest of the step measured, hybridspec plans its
+    longest length with the block it implies: a dear drafter keeps the plans (and the next steps' blocks)
+    shorter than pricing the measured overhead as sunk does; the step's prediction has this step's drafting.
+    hybridspec-nowidth plans as before."""
+    from workers.policy import DRAFT_MARGIN, LengthPolicy
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    survival = [[0.8 ** (j + 1) for j in range(16)]] * 8
+    plans = {}
+    for variant in ("width", "nowidth"):
+        policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+        if variant == "nowidth":
+            policy.ablate("nowidth")
+        policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
+        for _ in range(20):  # drafting 8 x 17 rows took 6 ms of a 9 ms overhead
+            policy.observe_draft(8, 8 * 17, 6.0)
+            policy.observe_outcome(8, True, 20, step_ms=9.0 + 8.0, forward_ms=8.0)
+        assert policy.draft_overhead_ms[8] == pytest.approx(9.0)
+        policy.observe_draft(8, 8 * 17, 6.0)
+        plans[variant] = (policy._plan_hybridspec(survival, [16] * 8, [1] * 8, [100] * 8), policy._predicted_ms)
+        if variant == "width":
+            assert policy.rest_overhead_ms[8] == pytest.approx(3.0)
+            assert policy.draft_costs[8].ms(8 * 17) == pytest.approx(6.0)
+            assert policy.planned_widths[8][-1] >= max(plans[variant][0])
+    (narrow, predicted), (sunk, _) = plans["width"], plans["nowidth"]
+    assert max(narrow) < max(sunk), (narrow, sunk)
+    tokens = sum(narrow) + 8
+    assert predicted == pytest.approx(3.0 + 6.0 + 4.0 + 0.05 * tokens, rel=1e-6)  # this step drafted 17 a request
+    assert DRAFT_MARGIN >= 1

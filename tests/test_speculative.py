@@ -576,3 +576,32 @@ def test_token_buckets_quarter_steps_on_request(monkeypatch):
     monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE", "3")
     with pytest.raises(ValueError, match="HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE must be 2 or 4"):
         token_buckets(100)
+
+
+def test_the_runner_times_each_drafting_for_hybridspec(reference, monkeypatch):
+    """Every drafted step reports the drafter's time and its rows (each request's drafts + its pending token) to
+    the policy, which learns hybridspec's drafting cost per batch-size bucket and the rest of the step; tokens
+    stay identical."""
+    llm = LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.9)
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    runner = llm.engine.executor.runner
+    proposed, reported = [], []
+    propose, observe = runner.drafter.propose, runner.policy.observe_draft
+
+    def spy_propose(reqs):
+        out = propose(reqs)
+        proposed.append(sum(len(t) + 1 for t in out.tokens))
+        return out
+
+    def spy_observe(batch_size, rows, ms):
+        reported.append((rows, ms))
+        observe(batch_size, rows, ms)
+    monkeypatch.setattr(runner.drafter, "propose", spy_propose)
+    monkeypatch.setattr(runner.policy, "observe_draft", spy_observe)
+    tokens, _ = run(llm)
+    assert tokens == reference
+    assert proposed and [rows for rows, _ in reported] == proposed
+    assert all(ms is not None and ms >= 0 for _, ms in reported)
+    assert runner.policy.draft_costs and all(cost.measured for cost in runner.policy.draft_costs.values())
+    assert runner.policy.rest_overhead_ms and all(v >= 0 for v in runner.policy.rest_overhead_ms.values())

@@ -64,6 +64,9 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest]) -> tuple[list[in
 
 class Drafter:
     name = "base"
+    # whether propose() runs on the device and reads its drafts back before it returns (so the device has done
+    # everything queued before it): the runner then times its drafting with events (ModelRunner._DraftTimer)
+    reads_back = False
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         raise NotImplementedError
@@ -167,6 +170,7 @@ class ReplayDrafter(Drafter):
         self._matched: dict[str, list | None] = {}
         self._keys: dict[str, int] = {}  # request -> its common-draws key
         self.cost_model = cost_model
+        self.reads_back = cost_model is not None
 
     def enable_graphs(self, max_batch: int, max_pages_per_request: int, max_block: int, capture: bool = True) -> None:
         """The cost model's forwards in CUDA graphs (see DraftModelDrafter.enable_graphs)."""
@@ -263,6 +267,7 @@ class DraftModelDrafter(Drafter):
     and replays exactly the accepted drafts in one ragged forward (the target's rollback, by replay)."""
 
     name = "draft"
+    reads_back = True
 
     def __init__(self, model: HybridModel, num_pages: int, page_size: int, num_slots: int):
         self.model = model

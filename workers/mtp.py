@@ -93,6 +93,7 @@ class MTPDrafter(Drafter):
     passes them to `observe` after every step."""
 
     name = "mtp"
+    reads_back = True
     needs_hidden = True
 
     def __init__(self, target: HybridModel, model_dir: str | Path, num_pages: int, page_size: int, num_slots: int):

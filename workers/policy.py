@@ -21,14 +21,16 @@ import numpy as np
 import torch
 
 from scheduler.calibration import AcceptanceCalibrator
-from scheduler.latency_model import ExpertEstimator, LatencyModel, ModelTokenCost, StepComposition, TokenCostTable
-from scheduler.planner import budget_plan, fixed_lengths, survival_from_acceptance
+from scheduler.latency_model import (DraftCost, ExpertEstimator, LatencyModel, ModelTokenCost, StepComposition,
+                                      TokenCostTable)
+from scheduler.planner import Plan, budget_plan, fixed_lengths, survival_from_acceptance, width_plan
 from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
 
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
-ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",)}
+ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
+             "nowidth": ("width",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -54,6 +56,7 @@ EXTRA_FROM = 8
 # 1 (the least that lets plans grow) was no better end to end: hybridspec x ar at c=16/64, acceptance 0.7/0.95,
 # margin 1 vs 2: 1.35 / 3.65 / 1.19 / 2.49 vs 1.43 / 3.64 / 1.19 / 2.46 (f46aef2, one run each, bench/NOTES.md).
 DRAFT_WINDOW, DRAFT_MARGIN = 32, 2
+REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,13 @@ class LengthPolicy:
         self.routing_stats = True  # hybridspec: served steps collect routing statistics (ExpertEstimator)
         # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
         self.draft_overhead_ms: dict[int, float] = {}
+        # hybridspec plans the drafter's block (width_plan): per batch-size bucket, the drafter's measured ms by
+        # rows drafted, and the rest of a drafted step beyond its forward and its drafting (EWMA)
+        self.draft_costs: dict[int, DraftCost] = {}
+        self.rest_overhead_ms: dict[int, float] = {}
+        self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
+        self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
+        self.planned_widths: dict[int, deque[int]] = {}  # per bucket: the longest length c recent plans allowed
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
         self._predicted_ms: float | None = None
@@ -260,7 +270,8 @@ class LengthPolicy:
     def ablate(self, variant: str) -> None:
         """hybridspec with parts switched off, for benchmarks that measure what each part brings (`hybridspec-X`):
         noextra: no router-correction extra token; nocounts: no routing statistics collected in served steps
-        (the start-up profile's stand in); lean: both; nogate: speculates every step."""
+        (the start-up profile's stand in); lean: both; nogate: speculates every step; nowidth: plans price the
+        step's drafting as sunk (budget_plan with the measured overhead), not the block they imply."""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
@@ -270,6 +281,8 @@ class LengthPolicy:
             self.routing_stats = False
         if "gate" in parts:
             self.gate = None
+        if "width" in parts:
+            self.plans_width = False
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -313,6 +326,18 @@ class LengthPolicy:
             old = self.draft_overhead_ms.get(b)
             new = step_ms - forward_ms
             self.draft_overhead_ms[b] = new if old is None else old + OVERHEAD_ALPHA * (new - old)
+            if self._draft_now is not None:
+                rest = max(0.0, new - self._draft_now)
+                old = self.rest_overhead_ms.get(b)
+                self.rest_overhead_ms[b] = rest if old is None else old + REST_ALPHA * (rest - old)
+        self._draft_now = None
+
+    def observe_draft(self, batch_size: int, rows: int, ms: float | None) -> None:
+        """The drafter's time this step (`rows`: the blocks it was asked for, pending tokens included; ms None:
+        not measured, e.g. it captured a graph). Learned per batch-size bucket (DraftCost) for width_plan."""
+        self._draft_now = ms
+        if ms is not None and self.name == "hybridspec":
+            self.draft_costs.setdefault(SpeculationGate.bucket(batch_size), DraftCost()).observe(rows, ms)
 
     def step_overhead_ms(self, batch_size: int) -> float:
         """Measured ms of a drafted step beyond the target's forward (drafting, planning, acceptance, commit) at
@@ -397,15 +422,42 @@ class LengthPolicy:
         O(B K log(B K)) on the host with no device round trip. (planner.plan_with_experts /
         planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.)"""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
-        # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
-        # blocks worth more than the forward alone says
-        plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
+        b = SpeculationGate.bucket(len(tokens))
+        width_ms = self._width_overheads(b, caps)
+        if width_ms is None:
+            # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
+            # blocks worth more than the forward alone says
+            plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
+            predicted = plan.step_ms
+        else:
+            plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms)
+            self.planned_widths.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(c)
+            # this step drafted what it drafted: its prediction has the measured drafting, not width_ms[c]'s
+            predicted = plan.step_ms - width_ms[c] + self.rest_overhead_ms[b] + self._draft_now
+            plan = Plan(plan.lengths, plan.expected_tokens, predicted)
         self.expected_tokens = plan.expected_tokens
-        self._predicted_ms = plan.step_ms
+        self._predicted_ms = predicted
         self._last_plan = (survival, cost, plan, sum(tokens))
-        self._planned_max.setdefault(SpeculationGate.bucket(len(tokens)), deque(maxlen=DRAFT_WINDOW)).append(
-            max(plan.lengths, default=0))
+        self._planned_max.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(max(plan.lengths, default=0))
         return plan.lengths
+
+    def _width_overheads(self, bucket: int, caps: list[int]) -> list[float] | None:
+        """[C + 1] for width_plan (C: the longest cap of the step): the overhead of a drafted step whose plans
+        stay <= c, c = 1..C: the rest of the step (measured) + the drafter's ms for blocks of c + DRAFT_MARGIN
+        (at most max_verify_len) plus the pending token per drafting request (DraftCost); None where this
+        bucket has not measured both, or this step's drafting was not timed (plans then price the measured
+        overhead as sunk)."""
+        draft = self.draft_costs.get(bucket)
+        if not self.plans_width or draft is None or not draft.measured or bucket not in self.rest_overhead_ms \
+                or self._draft_now is None:
+            return None
+        n = sum(1 for c in caps if c > 0)
+        C = max(caps, default=0)
+        if n == 0 or C == 0:
+            return None
+        rest = self.rest_overhead_ms[bucket]
+        return [0.0] + [rest + draft.ms(n * (min(c + DRAFT_MARGIN, self.max_verify_len) + 1))
+                         for c in range(1, C + 1)]
 
     def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:
         """Requests that get the router correction's extra token (the draft after their L_i, sent to the first

@@ -53,6 +53,27 @@ POLICY_STATS_EVERY = 16  # steps between reports of the latency model's and the 
 DRAFT_SEED_SALT = 0x5DEECE66D  # a request's draft stream is seeded from its seed, apart from its sampling stream
 
 
+class _DraftTimer:
+    """Times the drafter's propose(): CUDA events where it reads its drafts back (so the end event, recorded
+    after it returns, follows only its own work and reading it waits for nothing else; the begin event fires when
+    the device reaches the drafting, after the previous step's tail), the host clock otherwise (a host-only
+    drafter such as ngram, or CPU)."""
+
+    def __init__(self, device: torch.device, reads_back: bool):
+        self.cuda = device.type == "cuda" and reads_back
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        self.t0 = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
 class ModelRunner:
     def __init__(self, model: HybridModel, cache: ModelCache, drafter: Drafter | None = None,
                  policy: str = "fixed", max_verify_len: int = 16):
@@ -207,7 +228,13 @@ class ModelRunner:
         if self.drafter is not None and self.policy.name != "ar" and spec:
             cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
             draft_reqs = [self._draft_request(requests[i], cap) for i in spec]
+            captures_before_draft = self.captures_total()
+            draft_timer = _DraftTimer(self.device, self.drafter.reads_back)
             proposal = self.drafter.propose(draft_reqs)
+            # the drafter's time and the rows it drafted (blocks + pending tokens), for hybridspec's width_plan
+            self.policy.observe_draft(len(requests), sum(len(t) + 1 for t in proposal.tokens),
+                                      draft_timer.elapsed_ms() if self.captures_total() == captures_before_draft
+                                      else None)
             caps = [0] * len(requests)
             confs: list[list[float]] = [[] for _ in requests]
             for i, toks, conf in zip(spec, proposal.tokens, proposal.confidence):
