@@ -773,8 +773,9 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
 
 
 def test_hybridspec_drafts_only_what_its_recent_plans_verify():
-    """hybridspec's draft cap at a batch-size bucket is the longest length of its recent plans there plus a
-    margin (none before a few plans, none for other policies); a plan that uses the margin widens it."""
+    """hybridspec's draft cap at a batch-size bucket is the longest length of its recent plans there (their upper
+    quantile) plus a margin (none before a few plans, none for other policies); plans that use the margin widen
+    it, a single one does not."""
     from workers.policy import DRAFT_MARGIN, DRAFT_WINDOW, LengthPolicy
 
     cfg = _moe_config()
@@ -790,7 +791,10 @@ def test_hybridspec_drafts_only_what_its_recent_plans_verify():
     high = [[0.99 ** (j + 1) for j in range(16)]] * 2  # acceptance rose: the plan takes the whole cap ...
     lengths = policy._plan_hybridspec(high, [cap, cap], [1, 1], [50, 50])
     assert max(lengths) == cap
-    assert policy.draft_cap(2) == min(16, cap + DRAFT_MARGIN)  # ... and the next step drafts more
+    assert policy.draft_cap(2) == cap  # one long plan does not widen every request's block ...
+    for _ in range(2):
+        policy._plan_hybridspec(high, [cap, cap], [1, 1], [50, 50])
+    assert policy.draft_cap(2) == min(16, cap + DRAFT_MARGIN)  # ... a quarter of the recent ones do
     assert LengthPolicy("budget", cfg, max_verify_len=16).draft_cap(2) is None
 
 

@@ -49,13 +49,14 @@ EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 # expert parallelism it applies to each rank's own batch (the coverage is the deployment's): a rank with a few
 # requests sends none even where the deployment would cover them.
 EXTRA_FROM = 8
-# hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the longest
-# length its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (a plan that uses the margin widens it next
-# step). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
+# hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the
+# DRAFT_QUANTILE of the longest lengths its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (plans that use
+# the margin widen it). It was the longest of the last 32 plans: one long plan then kept every request drafting
+# 16 for 32 steps (at c=64 ~7.5 ms of drafting a step against ~3.3 for 6, e2e at 82e980b, bench/NOTES.md). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
 # block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at fd90476). A margin of
 # 1 (the least that lets plans grow) was no better end to end: hybridspec x ar at c=16/64, acceptance 0.7/0.95,
 # margin 1 vs 2: 1.35 / 3.65 / 1.19 / 2.49 vs 1.43 / 3.64 / 1.19 / 2.46 (f46aef2, one run each, bench/NOTES.md).
-DRAFT_WINDOW, DRAFT_MARGIN = 32, 2
+DRAFT_WINDOW, DRAFT_QUANTILE, DRAFT_MARGIN = 16, 0.75, 2
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
 
 
@@ -286,12 +287,13 @@ class LengthPolicy:
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
-        plans at this bucket + DRAFT_MARGIN, at most max_verify_len); None: no cap of its own (other policies,
-        before DRAFT_WINDOW // 4 plans at this bucket)."""
+        plans at this bucket (their DRAFT_QUANTILE) + DRAFT_MARGIN, at most max_verify_len); None: no cap of its
+        own (other policies, before DRAFT_WINDOW // 4 plans at this bucket)."""
         recent = self._planned_max.get(SpeculationGate.bucket(batch_size)) if self.name == "hybridspec" else None
         if not recent or len(recent) < DRAFT_WINDOW // 4:
             return None
-        return min(self.max_verify_len, max(recent) + DRAFT_MARGIN)
+        longest = sorted(recent)[min(len(recent) - 1, int(DRAFT_QUANTILE * len(recent)))]
+        return min(self.max_verify_len, longest + DRAFT_MARGIN)
 
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
