@@ -615,9 +615,18 @@ class DraftCost:
         return bool(self.table.tokens)
 
     def ms(self, rows: float) -> float:
+        return float(self.ms_array(np.array([rows], dtype=np.float64))[0])
+
+    def ms_array(self, rows: np.ndarray) -> np.ndarray:
+        """ms(r) for every r of a float array (one pass in numpy: the plan asks for every width each step)."""
         ts = self.table.tokens
         if not ts:
             raise RuntimeError("draft cost is empty: observe a drafted step first")
-        if rows >= ts[0] and len(ts) >= 2:
-            return self.table.cost_ms(rows)
-        return self.table.cost_ms(ts[0]) * max(0.0, rows) / ts[0]
+        t = np.asarray(ts, dtype=np.float64)
+        y = np.asarray(self.table._fitted_ms, dtype=np.float64)
+        below = y[0] * np.maximum(rows, 0.0) / t[0]  # proportional to the first point
+        if len(ts) == 1:
+            return y[0] * np.maximum(rows, 0.0) / t[0]
+        inside = np.interp(rows, t, y)
+        beyond = y[-1] + self.table._tail_slope() * (rows - t[-1])
+        return np.where(rows < t[0], below, np.where(rows > t[-1], beyond, inside))

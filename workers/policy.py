@@ -457,9 +457,8 @@ class LengthPolicy:
         C = max(caps, default=0)
         if n == 0 or C == 0:
             return None
-        rest = self.rest_overhead_ms[bucket]
-        return [0.0] + [rest + draft.ms(n * (min(c + DRAFT_MARGIN, self.max_verify_len) + 1))
-                         for c in range(1, C + 1)]
+        blocks = np.minimum(np.arange(1, C + 1) + DRAFT_MARGIN, self.max_verify_len) + 1.0  # [C]
+        return [0.0] + (self.rest_overhead_ms[bucket] + draft.ms_array(n * blocks)).tolist()
 
     def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:
         """Requests that get the router correction's extra token (the draft after their L_i, sent to the first
