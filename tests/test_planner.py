@@ -909,3 +909,29 @@ def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
     tokens = sum(narrow) + 8
     assert predicted == pytest.approx(3.0 + 6.0 + 4.0 + 0.05 * tokens, rel=1e-6)  # this step drafted 17 a request
     assert DRAFT_MARGIN >= 1
+
+
+def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_it():
+    """width_plan's choice is made every WIDTH_EVERY plans per bucket; the plans between search within it (even
+    where better drafts arrive) at its overhead, and the next choice follows the drafts."""
+    from workers.policy import WIDTH_EVERY, LengthPolicy
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
+    for _ in range(20):
+        policy.observe_draft(8, 8 * 17, 6.0)
+        policy.observe_outcome(8, True, 20, step_ms=17.0, forward_ms=8.0)
+    low, high = [[0.6 ** (j + 1) for j in range(16)]] * 8, [[0.97 ** (j + 1) for j in range(16)]] * 8
+    policy.observe_draft(8, 8 * 17, 6.0)
+    first = policy._plan_hybridspec(low, [16] * 8, [1] * 8, [100] * 8)
+    c = policy._width_choice[8][0]
+    assert max(first) == c
+    for _ in range(WIDTH_EVERY - 1):
+        policy.observe_draft(8, 8 * 17, 6.0)
+        within = policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)
+        assert max(within) == c and policy._predicted_ms is not None
+    policy.observe_draft(8, 8 * 17, 6.0)
+    again = policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)
+    assert max(again) > c and policy._width_choice[8][0] == max(again)
+    assert list(policy.planned_widths[8]) == [c] * WIDTH_EVERY + [max(again)]

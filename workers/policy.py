@@ -57,6 +57,10 @@ EXTRA_FROM = 8
 # 1 (the least that lets plans grow) was no better end to end: hybridspec x ar at c=16/64, acceptance 0.7/0.95,
 # margin 1 vs 2: 1.35 / 3.65 / 1.19 / 2.49 vs 1.43 / 3.64 / 1.19 / 2.46 (f46aef2, one run each, bench/NOTES.md).
 DRAFT_WINDOW, DRAFT_QUANTILE, DRAFT_MARGIN = 16, 0.75, 2
+# width_plan's choice of the longest length is a steady-state one: made every WIDTH_EVERY plans per bucket (its
+# [C, B K] search cost ~0.15-0.3 ms of host a step on this CPU, ~5x budget_plan's at c=1), the plans in between
+# search within it at its overhead
+WIDTH_EVERY = 8
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
 
 
@@ -249,6 +253,7 @@ class LengthPolicy:
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
         self.planned_widths: dict[int, deque[int]] = {}  # per bucket: the longest length c recent plans allowed
+        self._width_choice: dict[int, list] = {}  # per bucket: [c, its overhead ms, plans since it was chosen]
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
         self._predicted_ms: float | None = None
@@ -425,17 +430,28 @@ class LengthPolicy:
         planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.)"""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         b = SpeculationGate.bucket(len(tokens))
-        width_ms = self._width_overheads(b, caps)
-        if width_ms is None:
+        choice = self._width_choice.get(b)
+        width_ms = None
+        if choice is None or choice[2] >= WIDTH_EVERY:
+            width_ms = self._width_overheads(b, caps)
+        if width_ms is not None:  # the longest length chosen with the drafting it implies (width_plan)
+            plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms)
+            self._width_choice[b] = [c, width_ms[c], 1]
+        elif choice is not None and self.plans_width and self._draft_now is not None and b in self.rest_overhead_ms:
+            # between choices: budget_plan's search within the chosen longest length, at its overhead
+            c, over, _ = choice
+            choice[2] += 1
+            plan = budget_plan(survival, [min(x, c) for x in caps], cost, sum(tokens), draft_ms=over)
+        else:
+            c = None
             # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
             # blocks worth more than the forward alone says
             plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
             predicted = plan.step_ms
-        else:
-            plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms)
+        if c is not None:
             self.planned_widths.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(c)
-            # this step drafted what it drafted: its prediction has the measured drafting, not width_ms[c]'s
-            predicted = plan.step_ms - width_ms[c] + self.rest_overhead_ms[b] + self._draft_now
+            # this step drafted what it drafted: its prediction has the measured drafting, not the chosen width's
+            predicted = plan.step_ms - self._width_choice[b][1] + self.rest_overhead_ms[b] + self._draft_now
             plan = Plan(plan.lengths, plan.expected_tokens, predicted)
         self.expected_tokens = plan.expected_tokens
         self._predicted_ms = predicted
