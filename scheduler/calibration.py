@@ -63,8 +63,12 @@ class _DrafterMaps:
     """One drafter's binned isotonic maps, one per draft position (counts and calibrated values [positions,
     bins], the values rebuilt lazily for the positions that saw data) and its ECE bins."""
 
-    def __init__(self, positions: int, num_bins: int, prior_weight: float, max_count_per_bin: float):
+    def __init__(self, positions: int, num_bins: int, prior_weight: float, max_count_per_bin: float,
+                 max_stale_reads: int = 0):
         self.num_bins, self.prior_weight, self.max_count = num_bins, prior_weight, max_count_per_bin
+        self.max_stale_reads = max_stale_reads  # reads served from values older than the counts (see table)
+        self._stale_reads = 0
+        self._built = np.zeros(positions, dtype=bool)  # [P] values built at least once
         self.accepted = np.zeros((positions, num_bins))  # [P, nb] (decayed) accepted observations per bin
         self.total = np.zeros((positions, num_bins))  # [P, nb] (decayed) observations per bin
         self._values = np.zeros((positions, num_bins))  # [P, nb] value at each bin centre (where not dirty)
@@ -75,17 +79,28 @@ class _DrafterMaps:
         self.raw, self.cal = _EceBins(), _EceBins()
 
     def table(self) -> np.ndarray:
-        """[P, nb] calibrated acceptance probability at each bin centre (non-decreasing along bins)."""
+        """[P, nb] calibrated acceptance probability at each bin centre (non-decreasing along bins). With
+        max_stale_reads > 0, up to that many reads after new counts are served the values as last built (a
+        position never built is always built): the maps move slowly, and rebuilding them before every plan
+        was most of a learned policy's host time a step at c=1 (~0.2 ms on a CPU core, bench/NOTES.md)."""
         if self._rows is None:
             dirty = np.flatnonzero(self._dirty)
             if len(dirty):
+                if self._stale_reads < self.max_stale_reads and self._built[dirty].all():
+                    self._stale_reads += 1
+                    return self._values
                 self._rebuild(dirty)
+                self._built[dirty] = True
+                self._stale_reads = 0
         return self._values
 
     def rows(self) -> list[list[float]]:
         """table() as lists (per-draft lookups)."""
         if self._rows is None:
-            self._rows = self.table().tolist()
+            values = self.table().tolist()
+            if not self._dirty.any():  # (stale values are not cached: the next read may rebuild)
+                self._rows = values
+            return values
         return self._rows
 
     def interpolate(self, rows: np.ndarray, confidences: np.ndarray) -> np.ndarray:
@@ -249,17 +264,20 @@ class AcceptanceCalibrator:
     """Per drafter name and draft position (0-based; positions >= max_positions share the last map)."""
 
     def __init__(self, num_bins: int = 10, max_positions: int = 16, prior_weight: float = 2.0,
-                 max_count_per_bin: float = 2000.0):
+                 max_count_per_bin: float = 2000.0, max_stale_reads: int = 0):
         if num_bins < 1 or max_positions < 1:
             raise ValueError("num_bins and max_positions must be >= 1")
-        self.num_bins, self.max_positions = num_bins, max_positions
+        if max_stale_reads < 0:
+            raise ValueError(f"max_stale_reads must be >= 0, got {max_stale_reads}")
+        self.num_bins, self.max_positions, self.max_stale_reads = num_bins, max_positions, max_stale_reads
         self.prior_weight, self.max_count_per_bin = prior_weight, max_count_per_bin
         self._maps: dict[str, _DrafterMaps] = {}
 
     def _drafter(self, drafter: str) -> _DrafterMaps:
         maps = self._maps.get(drafter)
         if maps is None:
-            maps = _DrafterMaps(self.max_positions, self.num_bins, self.prior_weight, self.max_count_per_bin)
+            maps = _DrafterMaps(self.max_positions, self.num_bins, self.prior_weight, self.max_count_per_bin,
+                                self.max_stale_reads)
             self._maps[drafter] = maps
         return maps
 
