@@ -607,8 +607,16 @@ class DraftCost:
     table: TokenCostTable = field(default_factory=TokenCostTable)
 
     def observe(self, rows: int, ms: float) -> None:
+        """One drafting's ms, at its row count rounded to a grid of 8 points per octave (a row count is requests
+        x block, and every distinct one as its own point made hundreds of points at c=64, each kept up in Python
+        on the step's critical path)."""
         if rows > 0 and ms >= 0:
-            self.table.observe(rows, ms, max_count=16.0)
+            self.table.observe(self.grid(rows), ms, max_count=16.0)
+
+    @staticmethod
+    def grid(rows: int) -> int:
+        step = 1 << max(0, int(rows).bit_length() - 4)  # 8-16 points per octave
+        return max(1, int(round(rows / step)) * step)
 
     @property
     def measured(self) -> bool:

@@ -299,6 +299,7 @@ def width_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[
         raise ZeroDivisionError("float division by zero")
     ratio[:, 0] = gain0 / den0
     ratio[:, 1:] = np.where(taken, gains / (over + costs[counts]), -np.inf)
+    ratio[np.isnan(ratio)] = -np.inf  # (a NaN score or cost is never chosen; argmax would stop at it)
     best = int(np.argmax(ratio))  # row-major: the smallest c, then the fewest tokens
     ci, p = divmod(best, len(s) + 1)
     chosen = idx[order[:p][taken[ci, :p]]] if p else np.zeros(0, np.intp)  # flat indices i * K + j

@@ -13,7 +13,7 @@ import torch
 from scheduler.calibration import AcceptanceCalibrator
 from scheduler.latency_model import (ExpertEstimator, LatencyCoefs, LatencyModel, PlanCost, StepComposition,
                                      TokenCostTable, footprint_from_routing)
-from scheduler.planner import (budget_plan, expected_goodput, fixed_lengths, plan_host, plan_with_experts,
+from scheduler.planner import (Plan, budget_plan, expected_goodput, fixed_lengths, plan_host, plan_with_experts,
                                survival_from_acceptance)
 from scheduler.planner_torch import (budget_plan_device, calibrate_device, distinct_by_tokens_device,
                                      footprint_touch_probs, plan_device,
@@ -840,6 +840,12 @@ def test_width_plan_is_budget_plan_for_a_flat_overhead_and_the_best_width_otherw
                    for w in range(1, K + 1))
         assert plan.goodput_tokens_per_ms == pytest.approx(best)
         assert max(plan.lengths) <= c and plan.step_ms >= rising[c]
+    ragged = [[0.9, 0.8, 0.5], [0.95], []]
+    plan, c = width_plan(ragged, [3, 1, 0], table, 3, [0.0, 1.0, 1.0, 1.0])
+    assert plan.lengths == budget_plan(ragged, [3, 1, 0], table, 3, draft_ms=1.0).lengths and c == max(plan.lengths)
+    assert width_plan([], [], table, 0, [0.0, 1.0]) == (Plan([], 0.0, 1.0 + table.cost_ms(0)), 1)
+    # equal goodput at every c (the drafts are worth nothing): the smallest c and no tokens
+    assert width_plan([[0.0] * 4] * 2, [4, 4], table, 2, [0.0] + [2.0] * 4)[1] == 1
     with pytest.raises(ValueError, match="width_ms"):
         width_plan([[0.9]], [1], table, 1, [0.0])
 
@@ -868,15 +874,23 @@ def test_draft_cost_interpolates_what_it_measured_and_scales_below_it():
     assert not cost.measured
     with pytest.raises(RuntimeError, match="draft cost is empty"):
         cost.ms(10)
-    cost.observe(1088, 4.0)
-    assert cost.ms(1088) == pytest.approx(4.0)
-    assert cost.ms(544) == pytest.approx(2.0)  # one point: proportional either way
-    assert cost.ms(2176) == pytest.approx(8.0)
+    cost.observe(1024, 4.0)
+    assert cost.ms(1024) == pytest.approx(4.0)
+    assert cost.ms(512) == pytest.approx(2.0)  # one point: proportional either way
+    assert cost.ms(2048) == pytest.approx(8.0)
     cost.observe(320, 2.0)
-    assert cost.ms(704) == pytest.approx(3.0)  # between the points: interpolated
+    assert cost.ms(672) == pytest.approx(3.0)  # between the points: interpolated
     assert cost.ms(160) == pytest.approx(1.0)  # below the first: proportional to it
+    assert cost.ms_array(np.array([160.0, 672.0, 1024.0])).tolist() == pytest.approx([1.0, 3.0, 4.0])
     cost.observe(0, 1.0)  # no rows: not a sample
-    assert cost.table.tokens == [320, 1088]
+    assert cost.table.tokens == [320, 1024]
+    # row counts are kept on a grid of 8-16 points per octave: 32 batch sizes x 16 blocks make <= 40 points
+    assert [DraftCost.grid(r) for r in (1, 7, 17, 136, 1100)] == [1, 7, 16, 128, 1152]
+    many = DraftCost()
+    for n in range(33, 65):
+        for k in range(2, 18):
+            many.observe(n * k, 1.0)
+    assert len(many.table.tokens) <= 40
 
 
 def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
@@ -884,7 +898,8 @@ def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
     longest length with the block it implies: a dear drafter keeps the plans (and the next steps' blocks)
     shorter than pricing the measured overhead as sunk does; the step's prediction has this step's drafting.
     hybridspec-nowidth plans as before."""
-    from workers.policy import DRAFT_MARGIN, LengthPolicy
+    from scheduler.latency_model import DraftCost
+    from workers.policy import DRAFT_MARGIN, DRAFT_WINDOW, LengthPolicy
 
     cfg = _moe_config(num_experts=8, top_k=2)
     survival = [[0.8 ** (j + 1) for j in range(16)]] * 8
@@ -902,13 +917,21 @@ def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
         plans[variant] = (policy._plan_hybridspec(survival, [16] * 8, [1] * 8, [100] * 8), policy._predicted_ms)
         if variant == "width":
             assert policy.rest_overhead_ms[8] == pytest.approx(3.0)
-            assert policy.draft_costs[8].ms(8 * 17) == pytest.approx(6.0)
+            assert policy.draft_costs[8].ms(DraftCost.grid(8 * 17)) == pytest.approx(6.0)
             assert policy.planned_widths[8][-1] >= max(plans[variant][0])
     (narrow, predicted), (sunk, _) = plans["width"], plans["nowidth"]
     assert max(narrow) < max(sunk), (narrow, sunk)
     tokens = sum(narrow) + 8
     assert predicted == pytest.approx(3.0 + 6.0 + 4.0 + 0.05 * tokens, rel=1e-6)  # this step drafted 17 a request
-    assert DRAFT_MARGIN >= 1
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)  # ... and the next steps draft what it chose
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
+    for _ in range(20):
+        policy.observe_draft(8, 8 * 17, 6.0)
+        policy.observe_outcome(8, True, 20, step_ms=17.0, forward_ms=8.0)
+    for _ in range(DRAFT_WINDOW):
+        policy.observe_draft(8, 8 * 17, 6.0)
+        lengths = policy._plan_hybridspec(survival, [16] * 8, [1] * 8, [100] * 8)
+    assert policy.draft_cap(8) == max(lengths) + DRAFT_MARGIN < 16
 
 
 def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_it():
@@ -935,3 +958,31 @@ def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_
     again = policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)
     assert max(again) > c and policy._width_choice[8][0] == max(again)
     assert list(policy.planned_widths[8]) == [c] * WIDTH_EVERY + [max(again)]
+
+
+def test_hybridspec_chooses_again_at_once_where_its_choice_was_the_drafts_limit():
+    """A choice that took every draft there was (c = the longest cap: the drafts' limit, not its own) is made
+    again at the next plan that has more drafts (the block grows by the margin a step, not every WIDTH_EVERY
+    plans); an interior choice waits its WIDTH_EVERY plans."""
+    from workers.policy import LengthPolicy
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
+    for _ in range(20):
+        policy.observe_draft(8, 8 * 17, 6.0)
+        policy.observe_outcome(8, True, 20, step_ms=17.0, forward_ms=8.0)
+    high = [[0.97 ** (j + 1) for j in range(16)]] * 8
+    policy.observe_draft(8, 8 * 5, 2.0)
+    assert max(policy._plan_hybridspec(high, [4] * 8, [1] * 8, [100] * 8)) == 4  # all 4 drafts: censored
+    assert policy._width_choice[8][0] == 4 and policy._width_choice[8][3]
+    policy.observe_draft(8, 8 * 7, 3.0)
+    assert max(policy._plan_hybridspec(high, [6] * 8, [1] * 8, [100] * 8)) == 6  # chosen again at once
+    policy.observe_draft(8, 8 * 17, 6.0)
+    mid = [[0.8 ** (j + 1) for j in range(16)]] * 8
+    lengths = policy._plan_hybridspec(mid, [16] * 8, [1] * 8, [100] * 8)
+    c = policy._width_choice[8][0]
+    assert max(lengths) == c < 16 and not policy._width_choice[8][3]  # an interior choice ...
+    policy.observe_draft(8, 8 * 17, 6.0)
+    assert max(policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)) == c  # ... kept for the next plans
+    assert policy._width_choice[8][2] == 2

@@ -61,7 +61,11 @@ DRAFT_WINDOW, DRAFT_QUANTILE, DRAFT_MARGIN = 16, 0.75, 2
 # [C, B K] search cost ~0.15-0.3 ms of host a step on this CPU, ~5x budget_plan's at c=1), the plans in between
 # search within it at its overhead
 WIDTH_EVERY = 8
-REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
+REST_ALPHA = 0.1
+# the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan and the
+# observation's scoring): rebuilding them before every plan was ~0.2 of a learned policy's ~0.3 ms of host plan
+# time a step at c=1 on a CPU core (bench/NOTES.md)
+CALIBRATION_STALE_READS = 7  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,8 @@ class LengthPolicy:
         self.expected_tokens: float | None = None  # the last hybridspec plan's expected output tokens
         self._last_plan: tuple | None = None  # (survival, cost, plan, base tokens) of this step's plan
         self.extra_keep: dict[int, tuple[float, float]] = {}  # bucket -> decayed (kept, sent) extra tokens
-        self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16))
+        self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16),
+                                               max_stale_reads=CALIBRATION_STALE_READS)
         self.steps = 0
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
         self._pending_counts: torch.Tensor | None = None  # [MoE layers, E] routed tokens since the last fold
@@ -253,7 +258,8 @@ class LengthPolicy:
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
         self.planned_widths: dict[int, deque[int]] = {}  # per bucket: the longest length c recent plans allowed
-        self._width_choice: dict[int, list] = {}  # per bucket: [c, its overhead ms, plans since it was chosen]
+        # per bucket: [c, its overhead ms, plans since it was chosen, whether c was the drafts' limit]
+        self._width_choice: dict[int, list] = {}
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
         self._predicted_ms: float | None = None
@@ -340,8 +346,9 @@ class LengthPolicy:
         self._draft_now = None
 
     def observe_draft(self, batch_size: int, rows: int, ms: float | None) -> None:
-        """The drafter's time this step (`rows`: the blocks it was asked for, pending tokens included; ms None:
-        not measured, e.g. it captured a graph). Learned per batch-size bucket (DraftCost) for width_plan."""
+        """The drafter's time this step (`rows`: its drafts plus the pending token of each request that got drafts,
+        as _width_overheads prices them; ms None: not measured, e.g. it captured a graph or drafted nothing).
+        Learned per batch-size bucket (DraftCost) for width_plan."""
         self._draft_now = ms
         if ms is not None and self.name == "hybridspec":
             self.draft_costs.setdefault(SpeculationGate.bucket(batch_size), DraftCost()).observe(rows, ms)
@@ -432,14 +439,17 @@ class LengthPolicy:
         b = SpeculationGate.bucket(len(tokens))
         choice = self._width_choice.get(b)
         width_ms = None
-        if choice is None or choice[2] >= WIDTH_EVERY:
+        # a choice is made again after WIDTH_EVERY plans, or at once where the last one took every draft there
+        # was (its c was the drafts' limit, not its own) and more are drafted now
+        if choice is None or choice[2] >= WIDTH_EVERY or (choice[3] and max(caps, default=0) > choice[0]):
             width_ms = self._width_overheads(b, caps)
         if width_ms is not None:  # the longest length chosen with the drafting it implies (width_plan)
             plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms)
-            self._width_choice[b] = [c, width_ms[c], 1]
+            self._width_choice[b] = [c, width_ms[c], 1, c >= max(caps)]
         elif choice is not None and self.plans_width and self._draft_now is not None and b in self.rest_overhead_ms:
-            # between choices: budget_plan's search within the chosen longest length, at its overhead
-            c, over, _ = choice
+            # between choices: budget_plan's search within the chosen longest length, at its overhead (priced with
+            # the batch size and rest of the step that chose it: the next choice re-prices both)
+            c, over = choice[0], choice[1]
             choice[2] += 1
             plan = budget_plan(survival, [min(x, c) for x in caps], cost, sum(tokens), draft_ms=over)
         else:

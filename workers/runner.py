@@ -231,10 +231,12 @@ class ModelRunner:
             captures_before_draft = self.captures_total()
             draft_timer = _DraftTimer(self.device, self.drafter.reads_back)
             proposal = self.drafter.propose(draft_reqs)
-            # the drafter's time and the rows it drafted (blocks + pending tokens), for hybridspec's width_plan
-            self.policy.observe_draft(len(requests), sum(len(t) + 1 for t in proposal.tokens),
-                                      draft_timer.elapsed_ms() if self.captures_total() == captures_before_draft
-                                      else None)
+            # the drafter's time and the rows it drafted (drafts + the pending token of each request with drafts),
+            # for hybridspec's width_plan; not timed where it drafted nothing (on CUDA reading the end event would
+            # then wait for the previous step's queued work) or captured a graph
+            rows = sum(len(t) + 1 for t in proposal.tokens if t)
+            self.policy.observe_draft(len(requests), rows, draft_timer.elapsed_ms()
+                                      if rows and self.captures_total() == captures_before_draft else None)
             caps = [0] * len(requests)
             confs: list[list[float]] = [[] for _ in requests]
             for i, toks, conf in zip(spec, proposal.tokens, proposal.confidence):
