@@ -934,17 +934,25 @@ def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
     assert policy.draft_cap(8) == max(lengths) + DRAFT_MARGIN < 16
 
 
-def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_it():
-    """width_plan's choice is made every WIDTH_EVERY plans per bucket; the plans between search within it (even
-    where better drafts arrive) at its overhead, and the next choice follows the drafts."""
-    from workers.policy import WIDTH_EVERY, LengthPolicy
+def _measured_width_policy():
+    """hybridspec at batch size 8 that measured its drafting (6 ms for 8 x 17 rows) and the rest of its steps
+    (3 ms): its plans choose their longest length with width_plan."""
+    from workers.policy import LengthPolicy
 
-    cfg = _moe_config(num_experts=8, top_k=2)
-    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+    policy = LengthPolicy("hybridspec", _moe_config(num_experts=8, top_k=2), max_verify_len=16)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
     for _ in range(20):
         policy.observe_draft(8, 8 * 17, 6.0)
         policy.observe_outcome(8, True, 20, step_ms=17.0, forward_ms=8.0)
+    return policy
+
+
+def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_it():
+    """width_plan's choice is made every WIDTH_EVERY plans per bucket; the plans between search within it (even
+    where better drafts arrive) at its overhead, and the next choice follows the drafts."""
+    from workers.policy import WIDTH_EVERY
+
+    policy = _measured_width_policy()
     low, high = [[0.6 ** (j + 1) for j in range(16)]] * 8, [[0.97 ** (j + 1) for j in range(16)]] * 8
     policy.observe_draft(8, 8 * 17, 6.0)
     first = policy._plan_hybridspec(low, [16] * 8, [1] * 8, [100] * 8)
@@ -964,14 +972,7 @@ def test_hybridspec_chooses_again_at_once_where_its_choice_was_the_drafts_limit(
     """A choice that took every draft there was (c = the longest cap: the drafts' limit, not its own) is made
     again at the next plan that has more drafts (the block grows by the margin a step, not every WIDTH_EVERY
     plans); an interior choice waits its WIDTH_EVERY plans."""
-    from workers.policy import LengthPolicy
-
-    cfg = _moe_config(num_experts=8, top_k=2)
-    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
-    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
-    for _ in range(20):
-        policy.observe_draft(8, 8 * 17, 6.0)
-        policy.observe_outcome(8, True, 20, step_ms=17.0, forward_ms=8.0)
+    policy = _measured_width_policy()
     high = [[0.97 ** (j + 1) for j in range(16)]] * 8
     policy.observe_draft(8, 8 * 5, 2.0)
     assert max(policy._plan_hybridspec(high, [4] * 8, [1] * 8, [100] * 8)) == 4  # all 4 drafts: censored
