@@ -5,7 +5,8 @@
   indexed by token count only.
 - `hybridspec`: lengths chosen jointly for the goodput of the whole step: forward costs measured per batch-size
   bucket and token count (the batch latency model, with tokens, distinct experts, requests and context, where
-  none are measured) plus the measured overhead of a drafted step; one extra token per request up to the first
+  none are measured) plus the measured rest of a drafted step and the drafting its longest length implies (the
+  drafter's ms by rows, measured: width_plan); one extra token per request up to the first
   MoE router where its measured keep rate pays, kept only where its experts are already covered (router
   correction, workers/model.py MoEContext); a speculation gate (SpeculationGate).
 Survival comes from the drafter's confidences through the online calibrator. Until the latency model has
@@ -434,7 +435,10 @@ class LengthPolicy:
         expert footprints), so a step's cost depends on its token count only (step_cost) and the best plan for
         each token count is the highest survival scores: the search of budget_plan over that cost is exact,
         O(B K log(B K)) on the host with no device round trip. (planner.plan_with_experts /
-        planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.)"""
+        planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.) Where the
+        bucket has measured its drafting and the rest of its steps, the longest length c is chosen with the drafting
+        it implies (width_plan, every WIDTH_EVERY plans) and the plans between search within it; else the measured
+        overhead is priced as sunk."""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         b = SpeculationGate.bucket(len(tokens))
         choice = self._width_choice.get(b)
