@@ -317,7 +317,8 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance, monk
 
 def test_small_batches_send_no_extra_token_and_run_no_router_correction(reference):
     """Below the EXTRA_FROM batch-size bucket hybridspec sends no extra token and its verification graphs run no
-    router correction (the token mask is the padding mask); tokens stay identical."""
+    router correction (the token mask is the padding mask) and no routing statistics kernels; tokens stay
+    identical, and the policy still learns its steps' times (without observed distinct experts)."""
     from workers.policy import EXTRA_FROM
 
     n = EXTRA_FROM // 2  # a batch of n requests: below the threshold's bucket
@@ -331,6 +332,35 @@ def test_small_batches_send_no_extra_token_and_run_no_router_correction(referenc
     assert runner.policy.extra_keep == {}
     verify = [g for g in runner.step_graphs().graphs.values() if not g.plain]
     assert verify and all(not g.corrects and g.moe.token_mask is g.moe.row_mask for g in verify)
+    assert all(not g.counts and not g.moe.expert_counts and not g.moe.distinct_experts for g in verify)
+    assert runner.policy.latency.num_samples > 0 and runner.policy.bucket_costs  # served steps were learned
+
+
+def test_the_startup_profile_gathers_small_batches_statistics_eagerly():
+    """The start-up profile's small batches run in graph buckets without statistics kernels: their routing
+    statistics come from one untimed eager forward per shape, so the expert estimator and the latency model's
+    anchors still see them (and the profile's large batches take theirs from their graphs)."""
+    from workers.policy import EXTRA_FROM
+
+    llm = with_static_graphs(LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.7))
+    runner = llm.engine.executor.runner
+    anchors = []
+    observe_profile = runner.policy.observe_profile
+
+    def spy(obs, counts):
+        anchors.append((len(obs.tokens_per_request), obs.tokens_per_request[0], obs.distinct_experts, counts))
+        observe_profile(obs, counts)
+    runner.policy.observe_profile = spy
+    runner.profile(max_batch=2 * EXTRA_FROM)  # sizes 1, EXTRA_FROM // 2 and 2 x EXTRA_FROM
+    sizes = {b for b, _, _, _ in anchors}
+    assert min(sizes) < EXTRA_FROM <= max(sizes)
+    top_k = runner.model.config.num_experts_per_tok
+    for b, t, distinct, counts in anchors:
+        if t > 1:  # verification shapes: statistics of exactly their tokens, for every batch size
+            assert distinct and counts and all(int(c.sum()) == b * t * top_k for c in counts), (b, t)
+    graphs = runner.step_graphs().graphs
+    assert any(g.counts for g in graphs.values()) and any(not g.counts and not g.plain for g in graphs.values())
+    assert sum(sum(layer) for layer in runner.policy.estimator.counts) > 0
 
 
 def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, perturbed_dir):

@@ -111,6 +111,7 @@ class _Graph:
     layout: "_Layout"
     plain: bool = False  # a plain-decode bucket (max block 1): no router correction, no routing counts
     corrects: bool = False  # the router correction runs in this bucket (extra tokens may come)
+    counts: bool = False  # routing statistics (distinct experts, per-expert counts) are collected in this bucket
     forward: torch.cuda.CUDAGraph | None = None
     commit: torch.cuda.CUDAGraph | None = None
     staged: torch.cuda.Event | None = None  # the last host -> device copy of the staging buffer
@@ -144,7 +145,7 @@ class StepGraphs:
         self.spare_page, self.spare_slot = spare_page, spare_slot
         self.width = page_table_width
         self.return_hidden, self.extra_token, self.collect_counts = return_hidden, extra_token, collect_counts
-        self.extra_from = extra_from  # the router correction only in buckets of this many requests or more
+        self.extra_from = extra_from  # the router correction and routing statistics only in buckets this large
         self.capture = model.device.type == "cuda" if capture is None else capture
         if max_graphs < 2:  # eviction keeps at least one graph holding the shared memory pool
             raise ValueError(f"max_graphs must be >= 2, got {max_graphs}")
@@ -215,7 +216,8 @@ class StepGraphs:
                    stage_host=torch.zeros(layout.size, dtype=i64, pin_memory=pinned),
                    stage_dev=torch.zeros(layout.size, dtype=i64, device=device), layout=layout,
                    plain=key.max_block == 1, staged=torch.cuda.Event() if pinned else None,
-                   corrects=self.extra_token and key.max_block > 1 and key.requests >= self.extra_from)
+                   corrects=self.extra_token and key.max_block > 1 and key.requests >= self.extra_from,
+                   counts=self.collect_counts and key.max_block > 1 and key.requests >= self.extra_from)
         # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
         # requests, on the spare page and slot
         self._stage(g, key, [], [], [], [], [], [])
@@ -259,10 +261,12 @@ class StepGraphs:
     def _forward(self, g: _Graph, keep_scratch: bool = True) -> None:
         self._unpack(g)
         # plain decode (hybridspec's gate chose no drafts): no extra token to correct, and the routing counts come
-        # from verification steps (a plain step in hybridspec's set costs what one in ar's does)
+        # from verification steps (a plain step in hybridspec's set costs what one in ar's does); below extra_from
+        # requests neither: no router correction to feed there, the plans price those steps from their measured
+        # token costs, and the statistics kernels were ~0.15 ms of a c=1 step's GPU time (step timeline at
+        # 9b94ea4); the start-up profile gathers those batch sizes' statistics eagerly (ModelRunner.profile)
         g.moe = MoEContext(extra_rows=g.extra_rows if g.corrects else None,
-                           row_mask=g.row_mask, collect_counts=self.collect_counts and not g.plain,
-                           collect_distinct=self.collect_counts and not g.plain)
+                           row_mask=g.row_mask, collect_counts=g.counts, collect_distinct=g.counts)
         scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph
         out = self.model(g.batch, self.cache, None, write=g.write, scratch=scratch,
                          return_hidden=self.return_hidden, moe=g.moe, all_rows_into=g.logits)
