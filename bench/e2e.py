@@ -86,6 +86,7 @@ class RunResult:
     captures: int = 0  # decode steps that captured a CUDA graph first (left out of decode_tokens / decode_s)
     step_tokens: list[int] = dataclasses.field(default_factory=list)  # verified tokens of each step in step_ms
     eager_steps: int = 0  # decode steps that ran eagerly with graphs on (a failed capture, a full graph set)
+    draft_widths: dict[int, int] = dataclasses.field(default_factory=dict)  # drafted decode steps by drafts asked
 
 
     def row(self) -> dict:
@@ -95,6 +96,7 @@ class RunResult:
             "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
             "capture_steps": self.captures,
             "eager_decode_steps": self.eager_steps,
+            "drafted_width_steps": dict(sorted(self.draft_widths.items())),
             "step_ms_median": statistics.median(self.step_ms) if self.step_ms else 0.0,
             "tpot_ms_median": statistics.median(self.tpot_ms) if self.tpot_ms else 0.0,
             "tpot_ms_p99": sorted(self.tpot_ms)[max(0, math.ceil(0.99 * len(self.tpot_ms)) - 1)] if self.tpot_ms else 0.0,
@@ -177,6 +179,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         sched.add(r)
     step_ms, step_tokens, tally, steps, prefill_steps = [], [], Tally(), 0, []
     decode_tokens, captures, eager = 0, 0, 0
+    widths: dict[int, int] = {}
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
@@ -198,6 +201,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
             captures += 1
         elif getattr(runner, "last_step_eager", False):  # reported: an eager decode step is ~10x a graphed one
             eager += 1
+        if prefill_steps[-1:] != [len(step_ms) - 1] and getattr(runner, "last_draft_width", 0):
+            widths[runner.last_draft_width] = widths.get(runner.last_draft_width, 0) + 1
         steps += 1
         for r, taken, done in apply_step(sched, plan, result, tally):
             if prefill_steps[-1:] != [len(step_ms) - 1]:
@@ -215,7 +220,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                      [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, tally.draft, tally.accepted,
                      tally.verified,
                      [r.output_ids for r in reqs], decode_tokens, decode_s, captures,
-                     [t for i, t in enumerate(step_tokens) if i not in pre], eager)
+                     [t for i, t in enumerate(step_tokens) if i not in pre], eager, widths)
 
 
 def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,
@@ -255,7 +260,8 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         accepted_tokens=sum(r.accepted_tokens for r in runs), verify_steps=sum(r.verify_steps for r in runs),
         decode_tokens=sum(r.decode_tokens for r in runs), decode_s=sum(r.decode_s for r in runs),
         captures=sum(r.captures for r in runs), step_tokens=[x for r in runs for x in r.step_tokens],
-        eager_steps=sum(r.eager_steps for r in runs))
+        eager_steps=sum(r.eager_steps for r in runs),
+        draft_widths={w: sum(r.draft_widths.get(w, 0) for r in runs) for w in {w for r in runs for w in r.draft_widths}})
 
 
 def run_rates(runs: list[RunResult]) -> list[float]:

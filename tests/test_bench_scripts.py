@@ -104,6 +104,10 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         assert row["eager_decode_steps"] == 0  # every decode step in a graph bucket (reported when one is not)
         binned = sum(n for n, _ in row["step_ms_by_tokens"].values())  # decode steps (no prefill, no capture)
         assert 0 < binned <= row["steps"] - row["capture_steps"]
+        widths = {int(w): n for w, n in row["drafted_width_steps"].items()}  # drafted decode steps by drafts asked
+        assert widths and 0 < sum(widths.values()) <= binned and max(widths) <= 16
+        if policy == "fixed4":  # 4 drafts asked, fewer near a request's end (the scheduler's cap)
+            assert max(widths) == 4 and widths[4] >= max((n for w, n in widths.items() if w != 4), default=0)
     for bad in (["--policies", "ar,budget"], ["--repeats", "0"]):
         out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", *bad, "--out", str(tmp_path)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -349,6 +349,7 @@ class ModelRunner:
         # first is no measurement of the step: its time goes to the calibration only)
         self.last_step_captured = captured or self.captures_total() > captures_before  # the drafter's too
         self.last_step_eager = graphs is not None and decode_only and key is None  # graphs on, this step eager
+        self.last_draft_width = max((r.k for r in draft_reqs), default=0)  # drafts asked per request (0: none)
         # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
         # latency model, which plans the graphed decode/verify steps
         forward_ms = None if captured or (graphs is not None and key is None) else timer.elapsed_ms()
