@@ -1,7 +1,9 @@
 """What hybridspec's verification graphs cost beyond budget's at the same shapes (issue 7), one command on the H200:
     PYTHONPATH=. python bench/verify_overhead.py --layers 40 --out $OUT
 hybridspec's graph set is captured with the router correction's extra-token input and per-expert routing counts
-(workers/graphs.py `extra_token`, `collect_counts`); budget's and fixed K's without. On the bench model it replays
+(workers/graphs.py `extra_token`, `collect_counts`; both only in buckets of EXTRA_FROM requests or more since
+ebd60d3, so the default shapes below 8 requests now compare equal graphs); budget's and fixed K's without. On the
+bench model it replays
 the same verification steps (B requests x T tokens, the spare page and slot) from both sets and reports the
 median forward ms of each (CUDA events around the replay), and of hybridspec's set with one extra token per
 request. `--tiny` runs the plumbing on CPU (graphs' padded batches, eager).

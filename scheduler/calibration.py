@@ -6,7 +6,8 @@ Per (drafter, position) we keep binned acceptance counts over the confidence axi
 map by a small prior (trust the raw confidence until data says otherwise), made monotone non-decreasing in
 confidence (weighted pool-adjacent-violators: binned isotonic regression), and read by linear interpolation
 between bin centres. Online: every verification adds observations; ECE is reported before (raw) and after
-(calibrated, scored prequentially: each observation against the map as it was before it).
+(calibrated, scored prequentially: each observation against the map as last built before it; with
+max_stale_reads > 0 that map may be a few reads older than the counts).
 
 The map is also exported as a table [positions][bins] for planner_torch.calibrate_device. Host numpy: a step's
 calibrations and observations run vectorized (with the arithmetic of the per-draft loops, so equal bit for bit),
@@ -74,6 +75,7 @@ class _DrafterMaps:
         self._values = np.zeros((positions, num_bins))  # [P, nb] value at each bin centre (where not dirty)
         self._dirty = np.ones(positions, dtype=bool)  # [P] counts changed since the values were built
         self._rows: list[list[float]] | None = None  # _values as lists; None: maybe dirty
+        self._stale_rows: list[list[float]] | None = None  # _values as lists while served stale
         self._slopes: np.ndarray | None = None  # [P, nb] values[b + 1] - values[b] (0 at the last bin); None: stale
         self._centre = (np.arange(num_bins) + 0.5) / num_bins  # [nb] bin centres
         self.raw, self.cal = _EceBins(), _EceBins()
@@ -91,16 +93,18 @@ class _DrafterMaps:
                     return self._values
                 self._rebuild(dirty)
                 self._built[dirty] = True
-                self._stale_reads = 0
+                self._stale_reads, self._stale_rows = 0, None
         return self._values
 
     def rows(self) -> list[list[float]]:
-        """table() as lists (per-draft lookups)."""
+        """table() as lists (per-draft lookups; one read of the maps)."""
         if self._rows is None:
-            values = self.table().tolist()
-            if not self._dirty.any():  # (stale values are not cached: the next read may rebuild)
-                self._rows = values
-            return values
+            values = self.table()
+            if self._dirty.any():  # served stale: kept as lists until the next rebuild
+                if self._stale_rows is None:
+                    self._stale_rows = values.tolist()
+                return self._stale_rows
+            self._rows = values.tolist()
         return self._rows
 
     def interpolate(self, rows: np.ndarray, confidences: np.ndarray) -> np.ndarray:
@@ -290,7 +294,10 @@ class AcceptanceCalibrator:
         """Calibrated acceptance of one request's drafts (positions 0..len-1)."""
         if len(confidences) >= _CALIBRATE_NUMPY_MIN:
             return self.calibrate_rows(drafter, [confidences])[0]
-        table, last, nb = self._drafter(drafter).rows(), self.max_positions - 1, self.num_bins
+        return self._calibrate_row(self._drafter(drafter).rows(), confidences)
+
+    def _calibrate_row(self, table: list[list[float]], confidences: Sequence[float]) -> list[float]:
+        last, nb = self.max_positions - 1, self.num_bins
         return [_interpolate(table[j if j < last else last], nb, c) for j, c in enumerate(confidences)]
 
     def calibrate_rows(self, drafter: str, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
@@ -300,7 +307,8 @@ class AcceptanceCalibrator:
         if sum(lens) >= _CALIBRATE_NUMPY_MIN:
             rows = self.calibrate_array(drafter, confidences).tolist()
             return rows if min(lens) == max(lens) else [r[:n] for r, n in zip(rows, lens)]
-        return [self.calibrate_row(drafter, row) for row in confidences]
+        table = self._drafter(drafter).rows()  # one read of the maps for the whole step
+        return [self._calibrate_row(table, row) for row in confidences]
 
     def calibrate_array(self, drafter: str, confidences: Sequence[Sequence[float]] | np.ndarray) -> np.ndarray:
         """calibrate_rows as a float64 array [B, K] (K: the longest row; 0.0 past each row's end). A float array
@@ -321,8 +329,8 @@ class AcceptanceCalibrator:
         self.observe_many(drafter, [(position, confidence, accepted)])
 
     def observe_many(self, drafter: str, observations: Sequence[tuple[int, float, bool]]) -> None:
-        """(position, confidence, accepted) observations of one step: all scored (ECE) against the maps as they
-        were before the step, then added (one map rebuild per position per step, not per observation)."""
+        """(position, confidence, accepted) observations of one step: all scored (ECE) against the maps as last
+        built before the step, then added (one map rebuild per position per step at most, not per observation)."""
         maps, last = self._drafter(drafter), self.max_positions - 1
         if len(observations) < _OBSERVE_NUMPY_MIN:
             self._observe_loop(maps, [(min(max(p, 0), last), c, a) for p, c, a in observations])

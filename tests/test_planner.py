@@ -987,3 +987,30 @@ def test_hybridspec_chooses_again_at_once_where_its_choice_was_the_drafts_limit(
     policy.observe_draft(8, 8 * 17, 6.0)
     assert max(policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)) == c  # ... kept for the next plans
     assert policy._width_choice[8][2] == 2
+
+
+def test_calibration_serves_its_maps_stale_for_a_few_reads_at_most():
+    """max_stale_reads = 2: after new observations the next two reads see the maps as last built, the third the
+    rebuilt ones (equal to an exact calibrator's); a position never built is built at its first read (here the
+    first observation's scoring, before its counts); a step's calibration of many short rows is one read (every
+    row sees the same version); 0 (the default) is always exact."""
+    exact, lazy = AcceptanceCalibrator(), AcceptanceCalibrator(max_stale_reads=2)
+    conf = [[0.9, 0.8, 0.7]]
+    prior = AcceptanceCalibrator().calibrate_array("d", conf).tolist()  # the maps with no data
+    last = prior
+    for outcome, n in ((3, 20), (0, 200)):  # drafts accepted, then rejected
+        for cal in (exact, lazy):
+            cal.observe_step("d", [([0.9, 0.8, 0.7], 3, outcome)] * n)
+        fresh = exact.calibrate_array("d", conf).tolist()
+        assert fresh != last
+        assert [lazy.calibrate_array("d", conf).tolist() for _ in range(4)] == [last, last, fresh, fresh]
+        last = fresh
+    assert last[0][0] < prior[0][0]
+    for cal in (exact, lazy):  # accepted again: short rows go through the per-draft loop
+        cal.observe_step("d", [([0.9, 0.8, 0.7], 3, 3)] * 200)
+    rows = [[0.9, 0.8]] * 6
+    fresh = exact.calibrate_rows("d", rows)
+    assert fresh != [last[0][:2]] * 6
+    assert [lazy.calibrate_rows("d", rows) for _ in range(3)] == [[last[0][:2]] * 6] * 2 + [fresh]
+    with pytest.raises(ValueError, match="max_stale_reads must be >= 0"):
+        AcceptanceCalibrator(max_stale_reads=-1)

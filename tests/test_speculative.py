@@ -361,6 +361,15 @@ def test_the_startup_profile_gathers_small_batches_statistics_eagerly():
     graphs = runner.step_graphs().graphs
     assert any(g.counts for g in graphs.values()) and any(not g.counts and not g.plain for g in graphs.values())
     assert sum(sum(layer) for layer in runner.policy.estimator.counts) > 0
+    # budget's graph set collects no statistics at all: its profile runs no eager forward for them (as before)
+    budget = with_static_graphs(LLM(spec="replay", policy="budget", max_verify_len=6, replay_acceptance=0.7))
+    runner = budget.engine.executor.runner
+    forwards = []
+    forward = runner.model.forward
+    runner.model.forward = lambda *a, **k: forwards.append(k.get("moe")) or forward(*a, **k)
+    runner.profile(max_batch=2 * EXTRA_FROM)
+    assert forwards and not any(moe is not None and moe.collect_counts for moe in forwards)  # graph runs only
+    assert sum(sum(layer) for layer in runner.policy.estimator.counts) == 0
 
 
 def test_graph_path_with_a_partly_accepted_draft_model_is_lossless(reference, perturbed_dir):

@@ -62,11 +62,11 @@ DRAFT_WINDOW, DRAFT_QUANTILE, DRAFT_MARGIN = 16, 0.75, 2
 # [C, B K] search cost ~0.15-0.3 ms of host a step on this CPU, ~5x budget_plan's at c=1), the plans in between
 # search within it at its overhead
 WIDTH_EVERY = 8
-REST_ALPHA = 0.1
-# the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan and the
-# observation's scoring): rebuilding them before every plan was ~0.2 of a learned policy's ~0.3 ms of host plan
+REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
+# the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan's and the
+# observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
 # time a step at c=1 on a CPU core (bench/NOTES.md)
-CALIBRATION_STALE_READS = 7  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
+CALIBRATION_STALE_READS = 7
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class ModelRunner:
                 context = [page_size // 2] * b
                 pages = [[spare_page] * (-(-(page_size // 2 + t) // page_size))] * b
                 batch = ForwardBatch.build(blocks, context, pages, [spare_slot] * b, self.device)
-                stats: MoEContext | None = None  # this shape's routing statistics where its graph collects none
+                eager_stats: MoEContext | None = None  # this shape's statistics where its bucket collects none
                 for rep in range(repeats + 1):  # the first run compiles / captures
                     moe = MoEContext(collect_counts=True)
                     timer = _ForwardTimer(self.device)
@@ -193,12 +193,14 @@ class ModelRunner:
                     timer.stop()
                     if rep == 0:
                         continue
-                    if not moe.distinct_experts and t > 1:  # a small batch's bucket (graphs.py: extra_from):
-                        if stats is None:  # the statistics from one untimed eager forward of the same shape
-                            stats = MoEContext(collect_counts=True)
+                    if out is not None and graphs.collect_counts and not graphs.graphs[key].counts and t > 1:
+                        # a small batch's verification bucket (graphs.py: extra_from) in a set that collects
+                        # statistics: they come from one untimed eager forward of the same shape
+                        if eager_stats is None:
+                            eager_stats = MoEContext(collect_counts=True)
                             self.model(batch, self.cache, torch.arange(b * t, device=self.device), write=False,
-                                       scratch=StepScratch({}), moe=stats)
-                        moe = stats
+                                       scratch=StepScratch({}), moe=eager_stats)
+                        moe = eager_stats
                     distinct = [int(x) for x in torch.stack(moe.distinct_experts).tolist()] \
                         if moe.distinct_experts else None
                     self.policy.observe_profile(StepObservation([t] * b, context, timer.elapsed_ms(), distinct),
