@@ -261,7 +261,8 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         decode_tokens=sum(r.decode_tokens for r in runs), decode_s=sum(r.decode_s for r in runs),
         captures=sum(r.captures for r in runs), step_tokens=[x for r in runs for x in r.step_tokens],
         eager_steps=sum(r.eager_steps for r in runs),
-        draft_widths={w: sum(r.draft_widths.get(w, 0) for r in runs) for w in {w for r in runs for w in r.draft_widths}})
+        draft_widths={w: sum(r.draft_widths.get(w, 0) for r in runs)
+                      for w in {w for r in runs for w in r.draft_widths}})
 
 
 def run_rates(runs: list[RunResult]) -> list[float]:

@@ -597,8 +597,8 @@ class TokenCostTable:
 
 @dataclass
 class DraftCost:
-    """The drafter's ms per step by the rows it drafted (sum over requests of the block it was asked for, the
-    pending token included), at one batch-size bucket: measured on served steps, each row count's mean kept as
+    """The drafter's ms per step by the rows it drafted (its drafts plus the pending token of each request that
+    got drafts), at one batch-size bucket: measured on served steps, each row count's mean kept as
     TokenCostTable keeps it. Row counts measured: interpolated, beyond the last along the table's fitted line;
     below the first point (a narrower block than any measured), proportional to the rows (a drafter's forward,
     or its sequence of forwards, scales with its block; proportional overstates the saving where part of the

@@ -956,7 +956,7 @@ def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_
     low, high = [[0.6 ** (j + 1) for j in range(16)]] * 8, [[0.97 ** (j + 1) for j in range(16)]] * 8
     policy.observe_draft(8, 8 * 17, 6.0)
     first = policy._plan_hybridspec(low, [16] * 8, [1] * 8, [100] * 8)
-    c = policy._width_choice[8][0]
+    c = policy._width_choice[8].c
     assert max(first) == c
     for _ in range(WIDTH_EVERY - 1):
         policy.observe_draft(8, 8 * 17, 6.0)
@@ -964,7 +964,7 @@ def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_
         assert max(within) == c and policy._predicted_ms is not None
     policy.observe_draft(8, 8 * 17, 6.0)
     again = policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)
-    assert max(again) > c and policy._width_choice[8][0] == max(again)
+    assert max(again) > c and policy._width_choice[8].c == max(again)
     assert list(policy.planned_widths[8]) == [c] * WIDTH_EVERY + [max(again)]
 
 
@@ -976,17 +976,17 @@ def test_hybridspec_chooses_again_at_once_where_its_choice_was_the_drafts_limit(
     high = [[0.97 ** (j + 1) for j in range(16)]] * 8
     policy.observe_draft(8, 8 * 5, 2.0)
     assert max(policy._plan_hybridspec(high, [4] * 8, [1] * 8, [100] * 8)) == 4  # all 4 drafts: censored
-    assert policy._width_choice[8][0] == 4 and policy._width_choice[8][3]
+    assert policy._width_choice[8].c == 4 and policy._width_choice[8].censored
     policy.observe_draft(8, 8 * 7, 3.0)
     assert max(policy._plan_hybridspec(high, [6] * 8, [1] * 8, [100] * 8)) == 6  # chosen again at once
     policy.observe_draft(8, 8 * 17, 6.0)
     mid = [[0.8 ** (j + 1) for j in range(16)]] * 8
     lengths = policy._plan_hybridspec(mid, [16] * 8, [1] * 8, [100] * 8)
-    c = policy._width_choice[8][0]
-    assert max(lengths) == c < 16 and not policy._width_choice[8][3]  # an interior choice ...
+    c = policy._width_choice[8].c
+    assert max(lengths) == c < 16 and not policy._width_choice[8].censored  # an interior choice ...
     policy.observe_draft(8, 8 * 17, 6.0)
     assert max(policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)) == c  # ... kept for the next plans
-    assert policy._width_choice[8][2] == 2
+    assert policy._width_choice[8].plans == 2
 
 
 def test_calibration_serves_its_maps_stale_for_a_few_reads_at_most():

@@ -53,10 +53,12 @@ EXTRA_FROM = 8
 # hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the
 # DRAFT_QUANTILE of the longest lengths its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (plans that use
 # the margin widen it). It was the longest of the last 32 plans: one long plan then kept every request drafting
-# 16 for 32 steps (at c=64 ~7.5 ms of drafting a step against ~3.3 for 6, e2e at 82e980b, bench/NOTES.md). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale with the
-# block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at fd90476). A margin of
-# 1 (the least that lets plans grow) was no better end to end: hybridspec x ar at c=16/64, acceptance 0.7/0.95,
-# margin 1 vs 2: 1.35 / 3.65 / 1.19 / 2.49 vs 1.43 / 3.64 / 1.19 / 2.46 (f46aef2, one run each, bench/NOTES.md).
+# 16 for 32 steps (at c=64 ~7.5 ms of drafting a step against ~3.3 for blocks of 5, e2e at 82e980b,
+# bench/NOTES.md). A DFlash-shaped drafter's forward, an autoregressive drafter's steps and the LM head all scale
+# with the block: drafting 16 to verify 3 cost budget/hybridspec 0.2-3 ms a step more than fixed4 (e2e at
+# fd90476). A margin of 1 (the least that lets plans grow) was no better end to end: hybridspec x ar at c=16/64,
+# acceptance 0.7/0.95, margin 1 vs 2: 1.35 / 3.65 / 1.19 / 2.49 vs 1.43 / 3.64 / 1.19 / 2.46 (f46aef2, one run
+# each, bench/NOTES.md).
 DRAFT_WINDOW, DRAFT_QUANTILE, DRAFT_MARGIN = 16, 0.75, 2
 # width_plan's choice of the longest length is a steady-state one: made every WIDTH_EVERY plans per bucket (its
 # [C, B K] search cost ~0.15-0.3 ms of host a step on this CPU, ~5x budget_plan's at c=1), the plans in between
@@ -67,6 +69,17 @@ REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and it
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
 # time a step at c=1 on a CPU core (bench/NOTES.md)
 CALIBRATION_STALE_READS = 7
+
+
+@dataclass
+class WidthChoice:
+    """hybridspec's choice of its longest length at one batch-size bucket (width_plan): c, the overhead it was
+    priced at, plans made since, and whether c was the drafts' limit (censored: a wider block was not on offer)."""
+
+    c: int
+    overhead_ms: float
+    plans: int = 1
+    censored: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,8 +272,7 @@ class LengthPolicy:
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
         self.planned_widths: dict[int, deque[int]] = {}  # per bucket: the longest length c recent plans allowed
-        # per bucket: [c, its overhead ms, plans since it was chosen, whether c was the drafts' limit]
-        self._width_choice: dict[int, list] = {}
+        self._width_choice: dict[int, WidthChoice] = {}  # per batch-size bucket
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
         self._predicted_ms: float | None = None
@@ -445,17 +457,17 @@ class LengthPolicy:
         width_ms = None
         # a choice is made again after WIDTH_EVERY plans, or at once where the last one took every draft there
         # was (its c was the drafts' limit, not its own) and more are drafted now
-        if choice is None or choice[2] >= WIDTH_EVERY or (choice[3] and max(caps, default=0) > choice[0]):
+        if choice is None or choice.plans >= WIDTH_EVERY or (choice.censored and max(caps, default=0) > choice.c):
             width_ms = self._width_overheads(b, caps)
         if width_ms is not None:  # the longest length chosen with the drafting it implies (width_plan)
             plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms)
-            self._width_choice[b] = [c, width_ms[c], 1, c >= max(caps)]
+            self._width_choice[b] = WidthChoice(c, width_ms[c], censored=c >= max(caps))
         elif choice is not None and self.plans_width and self._draft_now is not None and b in self.rest_overhead_ms:
             # between choices: budget_plan's search within the chosen longest length, at its overhead (priced with
             # the batch size and rest of the step that chose it: the next choice re-prices both)
-            c, over = choice[0], choice[1]
-            choice[2] += 1
-            plan = budget_plan(survival, [min(x, c) for x in caps], cost, sum(tokens), draft_ms=over)
+            c = choice.c
+            choice.plans += 1
+            plan = budget_plan(survival, [min(x, c) for x in caps], cost, sum(tokens), draft_ms=choice.overhead_ms)
         else:
             c = None
             # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
@@ -465,7 +477,7 @@ class LengthPolicy:
         if c is not None:
             self.planned_widths.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(c)
             # this step drafted what it drafted: its prediction has the measured drafting, not the chosen width's
-            predicted = plan.step_ms - self._width_choice[b][1] + self.rest_overhead_ms[b] + self._draft_now
+            predicted = plan.step_ms - self._width_choice[b].overhead_ms + self.rest_overhead_ms[b] + self._draft_now
             plan = Plan(plan.lengths, plan.expected_tokens, predicted)
         self.expected_tokens = plan.expected_tokens
         self._predicted_ms = predicted
