@@ -35,8 +35,9 @@ class Cell:
         return replay
 
     def use_policy(self, policy: str, acceptance: float) -> int:
-        """The runner takes `policy` (fixedK, budget, hybridspec[-noextra|-nocounts|-lean|-nogate], ar) with a fresh replay drafter;
-        learned policies run the start-up profile first. -> the draft cap of its runs."""
+        """The runner takes `policy` (fixedK, budget, hybridspec[-noextra|-nocounts|-lean|-nogate|-nowidth], ar)
+        with a fresh replay drafter; learned policies run the start-up profile first. -> the draft cap of its
+        runs."""
         k = int(policy[5:]) if policy.startswith("fixed") else 16
         self.runner.drafter = self.replay(acceptance)
         self.runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
