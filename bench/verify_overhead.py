@@ -1,9 +1,8 @@
 """What hybridspec's verification graphs cost beyond budget's at the same shapes (issue 7), one command on the H200:
     PYTHONPATH=. python bench/verify_overhead.py --layers 40 --out $OUT
 hybridspec's graph set is captured with the router correction's extra-token input and per-expert routing counts
-(workers/graphs.py `extra_token`, `collect_counts`; both only in buckets of EXTRA_FROM requests or more since
-ebd60d3, so the default shapes below 8 requests now compare equal graphs); budget's and fixed K's without. On the
-bench model it replays
+(workers/graphs.py `extra_token`, `collect_counts`; both only in buckets of EXTRA_FROM = 8 requests or more since
+ebd60d3, so the default shapes start there); budget's and fixed K's without. On the bench model it replays
 the same verification steps (B requests x T tokens, the spare page and slot) from both sets and reports the
 median forward ms of each (CUDA events around the replay), and of hybridspec's set with one extra token per
 request. `--tiny` runs the plumbing on CPU (graphs' padded batches, eager).
@@ -75,7 +74,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", default="1x8,1x17,4x17,16x9,16x17")
+    ap.add_argument("--shapes", default="8x9,8x17,16x9,16x17")
     ap.add_argument("--max-verify", default="",
                     help="also budget's graphs for these max verification lengths (e.g. 4,8): the same B x T "
                          "steps in a bucket whose max block is K + 1 instead of 17")

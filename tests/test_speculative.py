@@ -532,8 +532,7 @@ def test_graph_padding_blocks_are_no_longer_than_the_real_blocks():
     with pytest.raises(RuntimeError, match="too few padding requests"):
         pad(2, 4, 11, 5, 1)
     # a bucket has enough padding requests for its largest padding in blocks of PAD_BLOCK
-    for tokens in (token_buckets(64 * 17, 2), token_buckets(64 * 17, 4)):
-        _check_padding_requests(tokens)
+    _check_padding_requests(token_buckets(64 * 17))
 
 
 def _check_padding_requests(tokens):
@@ -602,19 +601,12 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
                      max_tokens=4, max_graphs=1)
 
 
-def test_token_buckets_quarter_steps_on_request(monkeypatch):
-    """HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE=4 adds quarter steps from 64 tokens on (for measurement); the default
-    keeps half / third steps; any other value is refused with the variable's name and the allowed values."""
+def test_token_buckets_step_by_halves_and_thirds():
     from workers.graphs import token_buckets
 
     assert token_buckets(1088) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
                                    1088]
-    monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE", "4")
-    assert token_buckets(400) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320,
-                                  384, 400]
-    monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE", "3")
-    with pytest.raises(ValueError, match="HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE must be 2 or 4"):
-        token_buckets(100)
+    assert token_buckets(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
 
 
 def test_the_runner_times_each_drafting_for_hybridspec(reference, monkeypatch):

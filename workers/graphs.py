@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -50,26 +49,16 @@ MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages
 log = logging.getLogger(__name__)
 
 
-def _buckets_per_octave() -> int:
-    value = os.environ.get("HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE", "2")
-    if value not in ("2", "4"):
-        raise ValueError(f"HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE must be 2 or 4, got {value!r}")
-    return int(value)
-
-
-def token_buckets(limit: int, per_octave: int | None = None) -> list[int]:
+def token_buckets(limit: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, ... (steps of 1/2 and 1/3) up to >= limit: few graphs to
-    capture; padded rows cost dense GEMM rows (masked out of the MoE) and padding requests' GDN / conv work.
-    per_octave 4 (HYBRIDSPEC_TOKEN_BUCKETS_PER_OCTAVE=4, for measurement): quarter steps from 64 tokens on (64, 80,
-    96, 112, 128, 160, ...): at 64 x 5 tokens the 384-row bucket took 15.0 ms against 13.8 in a 325-row one (1.3 ms
-    more kernel time: GDN and conv of the padding requests, GEMMs at M=384, the router's top-k; bench/NOTES.md), at
-    the price of twice the graphs above 64 tokens."""
-    per_octave = per_octave or _buckets_per_octave()
+    capture; padded rows cost dense GEMM rows (masked out of the MoE) and padding requests' GDN / conv work (at
+    64 x 5 tokens the 384-row bucket took 15.0 ms against 13.8 in a 325-row one). Quarter steps from 64 tokens on
+    were measured end to end and gained nothing, with twice the graphs there: out of GPU memory at c=64
+    (bench/NOTES.md, 49c70bf)."""
     out = [1, 2, 3]
     base = 4
     while out[-1] < limit:
-        steps = (0, 2) if per_octave == 2 or base < 64 else (0, 1, 2, 3)
-        out.extend(b for b in (base + base * i // 4 for i in steps) if b > out[-1])
+        out.extend(b for b in (base, base + base // 2) if b > out[-1])
         base *= 2
     while len(out) > 1 and out[-2] >= limit:  # no bucket past the first one that holds the limit ...
         out.pop()
