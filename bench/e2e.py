@@ -279,10 +279,11 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
     if policy.gate is not None:
         row["speculative_step_share"] = policy.gate.speculative_share()
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
-    if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, the widths
+    if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'
+        # longest lengths (width_plan's choices)
         row["draft_cost_ms"] = {b: dict(zip(c.table.tokens, c.table.step_ms)) for b, c in policy.draft_costs.items()}
         row["rest_overhead_ms"] = dict(policy.rest_overhead_ms)
-        row["planned_width_recent"] = {b: list(w) for b, w in policy.planned_widths.items()}
+        row["planned_max_recent"] = {b: list(w) for b, w in policy.planned_max.items()}
     pstats = policy.stats()
     for key in ("plan_step_bias_pct", "plan_step_abs_pct"):
         if key in pstats:

@@ -918,7 +918,7 @@ def test_hybridspec_prices_its_plans_at_the_drafting_they_imply():
         if variant == "width":
             assert policy.rest_overhead_ms[8] == pytest.approx(3.0)
             assert policy.draft_costs[8].ms(DraftCost.grid(8 * 17)) == pytest.approx(6.0)
-            assert policy.planned_widths[8][-1] >= max(plans[variant][0])
+            assert policy.planned_max[8][-1] == max(plans[variant][0])
     (narrow, predicted), (sunk, _) = plans["width"], plans["nowidth"]
     assert max(narrow) < max(sunk), (narrow, sunk)
     tokens = sum(narrow) + 8
@@ -965,7 +965,7 @@ def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_
     policy.observe_draft(8, 8 * 17, 6.0)
     again = policy._plan_hybridspec(high, [16] * 8, [1] * 8, [100] * 8)
     assert max(again) > c and policy._width_choice[8].c == max(again)
-    assert list(policy.planned_widths[8]) == [c] * WIDTH_EVERY + [max(again)]
+    assert list(policy.planned_max[8]) == [c] * WIDTH_EVERY + [max(again)]
 
 
 def test_hybridspec_chooses_again_at_once_where_its_choice_was_the_drafts_limit():

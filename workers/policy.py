@@ -271,7 +271,6 @@ class LengthPolicy:
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
-        self.planned_widths: dict[int, deque[int]] = {}  # per bucket: the longest length c recent plans allowed
         self._width_choice: dict[int, WidthChoice] = {}  # per batch-size bucket
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
         # (budget's prediction is its forward-only table; hybridspec's includes the step's overhead)
@@ -281,7 +280,7 @@ class LengthPolicy:
         # the next plan or observation (reading them at once would wait for the GPU to finish the step's commit:
         # ~1 ms a step at c=1, e2e at ba5e735)
         self._unsettled: StepObservation | None = None
-        self._planned_max: dict[int, deque[int]] = {}  # per batch-size bucket: longest length of recent plans
+        self.planned_max: dict[int, deque[int]] = {}  # per batch-size bucket: longest length of recent plans
 
     @property
     def uses_extra_token(self) -> bool:
@@ -313,7 +312,7 @@ class LengthPolicy:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
         plans at this bucket (their DRAFT_QUANTILE) + DRAFT_MARGIN, at most max_verify_len); None: no cap of its
         own (other policies, before DRAFT_WINDOW // 4 plans at this bucket)."""
-        recent = self._planned_max.get(SpeculationGate.bucket(batch_size)) if self.name == "hybridspec" else None
+        recent = self.planned_max.get(SpeculationGate.bucket(batch_size)) if self.name == "hybridspec" else None
         if not recent or len(recent) < DRAFT_WINDOW // 4:
             return None
         longest = sorted(recent)[min(len(recent) - 1, int(DRAFT_QUANTILE * len(recent)))]
@@ -475,14 +474,13 @@ class LengthPolicy:
             plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
             predicted = plan.step_ms
         if c is not None:
-            self.planned_widths.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(c)
             # this step drafted what it drafted: its prediction has the measured drafting, not the chosen width's
             predicted = plan.step_ms - self._width_choice[b].overhead_ms + self.rest_overhead_ms[b] + self._draft_now
             plan = Plan(plan.lengths, plan.expected_tokens, predicted)
         self.expected_tokens = plan.expected_tokens
         self._predicted_ms = predicted
         self._last_plan = (survival, cost, plan, sum(tokens))
-        self._planned_max.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(max(plan.lengths, default=0))
+        self.planned_max.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(max(plan.lengths, default=0))
         return plan.lengths
 
     def _width_overheads(self, bucket: int, caps: list[int]) -> list[float] | None:
