@@ -466,6 +466,76 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
 
+def test_step_ends_charge_each_step_its_queued_device_work():
+    """The gate's sample of a decode step is its whole cycle: from the end of the step before it to the end of
+    everything it launched. On CUDA a drafted step's commit runs after the host has returned, so the step is
+    charged up to its end event (read one step late, never waited for: a cycle not done by then is dropped); a
+    step started long after the last one returned (the engine idled) gives no sample."""
+    from workers.runner import _StepEnds
+
+    device = {"now": 0.0}  # ms on the device's clock
+
+    class FakeEvent:  # an event of the fake device: done once the device's clock reaches its time
+        def __init__(self, done_at: float):
+            self.done_at = done_at
+
+        def query(self) -> bool:
+            return self.done_at <= device["now"]
+
+        def elapsed_time(self, other: "FakeEvent") -> float:
+            return other.done_at - self.done_at
+
+    host = {"now": 0.0}  # seconds on the host's clock
+    ends = _StepEnds(torch.device("cpu"), clock=lambda: host["now"])
+    ends.cuda = True
+    finish = []  # device time at which each marked step's queued work is done
+    ends._mark = lambda: FakeEvent(finish.pop(0))
+
+    def step(start_s: float, end_s: float, done_ms: float, device_now_ms: float, sample):
+        host["now"], device["now"] = end_s, device_now_ms
+        finish.append(done_ms)
+        return ends.step_ended(start_s, sample)
+
+    assert step(0.000, 0.010, 10.0, 10.0, None) == []  # a prefill step: no sample, its end starts the next cycle
+    # a drafted step returns at 20 ms on the host, its commit runs until 23 ms on the device
+    assert step(0.0102, 0.020, 23.0, 20.0, (4, True, 8.0)) == []
+    # the next (plain) step's acceptance has synchronized past the commit: the drafted cycle is 23 - 10 ms
+    assert step(0.0203, 0.033, 35.0, 33.0, (4, False, 4.0)) == [(4, True, 8.0, 13.0)]
+    # the plain step's cycle is 35 - 23 ms (not 33 - 20 on the host); its end is read at the next step
+    assert step(0.0352, 0.045, 47.0, 45.0, (4, False, 4.0)) == [(4, False, 4.0, 12.0)]
+    # a step whose predecessor's end is not reached yet when it ends: that cycle is dropped, never waited for
+    assert step(0.0472, 0.050, 60.0, 46.0, (4, False, 4.0)) == []
+    # an idle engine: a step starting 1 s after the last one returned gives no sample (the last one's is read)
+    assert step(1.050, 1.060, 1060.0, 1060.0, (4, True, 8.0)) == [(4, False, 4.0, 13.0)] and ends.pending is None
+    assert step(1.0602, 1.070, 1070.0, 1070.0, None) == []
+
+    # CPU: every step's work is done when it returns, its cycle is known at once
+    host["now"] = 0.0
+    cpu = _StepEnds(torch.device("cpu"), clock=lambda: host["now"])
+    host["now"] = 0.010
+    assert cpu.step_ended(0.0, (2, True, 5.0)) == []  # no step before it: no cycle
+    host["now"] = 0.030
+    assert cpu.step_ended(0.0105, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
+
+
+def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():
+    """observe_outcome hands back what the gate counts for a step (a drafted step: its plan's expected tokens;
+    nothing before the policy is warm or without a gate), and the gate learns it with the cycle's time."""
+    from workers.policy import LengthPolicy
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    policy = LengthPolicy("hybridspec", cfg)
+    assert policy.observe_outcome(4, False, 4, step_ms=5.0) is None  # not warm yet: the gate learns nothing
+    policy.profiled, policy.latency.coefs = True, object()
+    assert policy.warm()
+    policy.expected_tokens = 9.5
+    assert policy.observe_outcome(4, True, 6, step_ms=10.0) == 9.5  # the plan's expectation, not the realized 6
+    assert policy.observe_outcome(4, False, 4, step_ms=5.0) == 4.0
+    policy.observe_cycle(4, True, 9.5, 19.0)
+    assert policy.gate.rate[(4, True)] == pytest.approx(9.5 / 19.0 / 4)
+    assert LengthPolicy("budget", cfg).observe_outcome(4, True, 6, step_ms=10.0) is None  # no gate
+
+
 def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
     always wrong (and whose forward costs time, as e2e's DFlash-shaped one: a free drafter with plans of length 0

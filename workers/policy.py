@@ -108,12 +108,12 @@ def nearest_bucket(buckets, b: int) -> int:
 
 
 class SpeculationGate:
-    """hybridspec speculates only where it pays, measured on whole steps (drafting, verification, acceptance and
-    commit included, which the latency model's forward times leave out): per batch-size bucket an EWMA of output
-    tokens per ms per request of decode steps with drafts and of plain decode steps. It drafts unless the
-    speculative side is measured slower, and every PROBE-th step it tries the losing side so that a change of
-    acceptance or load is seen (every FAR_PROBE x PROBE-th where the loser is below FAR x the winner's rate).
-    Each side is measured MIN_SAMPLES times first (speculative first). A drafted step's tokens are the plan's
+    """hybridspec speculates only where it pays, measured on whole step cycles (the runner's _StepEnds: drafting,
+    verification, acceptance, the commit's device time and the loop between steps, which the latency model's
+    forward times leave out): per batch-size bucket an EWMA of output tokens per ms per request of decode steps
+    with drafts and of plain decode steps. It drafts unless the speculative side is measured slower, and every
+    PROBE-th step it tries the losing side so that a change of acceptance or load is seen (every FAR_PROBE x
+    PROBE-th where the loser is below FAR x the winner's rate). Each side is measured MIN_SAMPLES times first (speculative first). A drafted step's tokens are the plan's
     expected tokens (LengthPolicy.observe_outcome), which vary far less from step to step than accepted lengths.
 
     Two rules keep the exploration cheap (bench/NOTES.md: short runs and the buckets met as requests finish paid
@@ -333,15 +333,17 @@ class LengthPolicy:
         return self.gate.should_draft(b, 1.0 / plain_ms if plain_ms > 0 else None)  # per request
 
     def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float,
-                        forward_ms: float | None = None) -> None:
-        """A whole decode step (no prefill, no graph capture): `tokens` output tokens in `step_ms`, of which the
-        target's forward took `forward_ms` (None: not measured)."""
+                        forward_ms: float | None = None) -> float | None:
+        """A whole decode step (no prefill, no graph capture): `tokens` output tokens, `step_ms` on the host clock
+        until it returned, of which the target's forward took `forward_ms` (None: not measured). Returns the
+        tokens the step counts for in hybridspec's gate (None: the gate does not learn from it); the gate's sample
+        is the step's whole cycle, known one step later (observe_cycle)."""
+        gate_tokens = None
         if self.gate is not None and self.warm():
             # a drafted step counts the plan's expected tokens (calibrated survival), not the realized ones: the
             # accepted length of one step is very noisy (0 or many), and a few unlucky samples would keep the gate
             # on plain decoding for many probes
-            expected = self.expected_tokens if drafted and self.expected_tokens is not None else tokens
-            self.gate.observe(batch_size, drafted, expected, step_ms)
+            gate_tokens = self.expected_tokens if drafted and self.expected_tokens is not None else float(tokens)
         self.expected_tokens = None
         if drafted and self._predicted_ms is not None:
             self.plan_errors.append((self._predicted_ms, step_ms))
@@ -356,6 +358,13 @@ class LengthPolicy:
                 old = self.rest_overhead_ms.get(b)
                 self.rest_overhead_ms[b] = rest if old is None else old + REST_ALPHA * (rest - old)
         self._draft_now = None
+        return gate_tokens
+
+    def observe_cycle(self, batch_size: int, drafted: bool, tokens: float, cycle_ms: float) -> None:
+        """hybridspec's gate learns a decode step's cycle: from the end of the step before it to the end of
+        everything it launched (its commit included), with the tokens observe_outcome counted for it."""
+        if self.gate is not None:
+            self.gate.observe(batch_size, drafted, tokens, cycle_ms)
 
     def observe_draft(self, batch_size: int, rows: int, ms: float | None) -> None:
         """The drafter's time this step (`rows`: its drafts plus the pending token of each request that got drafts,

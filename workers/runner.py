@@ -74,6 +74,60 @@ class _DraftTimer:
         return (time.perf_counter() - self.t0) * 1e3
 
 
+class _StepEnds:
+    """hybridspec's gate samples a decode step's whole cycle: from the end of the step before it to its own end,
+    where a step ends when the device has done everything it launched. The host's step time is not that: the
+    commit is queued after acceptance has read back, so its device time lands in the next step (at c=64 / 0.5 on
+    the H200, ddebf45: plain steps after drafted ones took ~2 ms longer than AR's, and the gate drafted on 46% of
+    the steps where plain decoding was faster). CUDA: an event recorded after a step's last launch, read at the
+    next step's end, when that step's acceptance has synchronized past it (never waited for: a cycle not done by
+    then is dropped); CPU: the host clock when the step returns (all its work is done by then: the cycle is known
+    at once). A step that starts more than max(GAP_MS, its own host time) after the last one returned (the engine
+    had no work for a while) gives no sample."""
+
+    GAP_MS = 5.0
+
+    def __init__(self, device: torch.device, clock=time.perf_counter):
+        self.cuda, self.clock = device.type == "cuda", clock
+        self.last: tuple | None = None  # (end marker, host time it returned) of the last step
+        self.pending: tuple | None = None  # (previous end marker, end marker, sample) of a cycle still running
+
+    def _mark(self):
+        if not self.cuda:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _elapsed_ms(self, begin, end) -> float | None:
+        if not self.cuda:
+            return (end - begin) * 1e3
+        return begin.elapsed_time(end) if end.query() else None
+
+    def _resolve(self) -> list[tuple]:
+        """The pending sample as (batch size, drafted, tokens, cycle ms) where its end has been reached."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return []
+        begin, end, sample = pending
+        ms = self._elapsed_ms(begin, end)
+        return [(*sample, ms)] if ms is not None and ms > 0 else []
+
+    def step_ended(self, started: float, sample: tuple | None) -> list[tuple]:
+        """At a step's end (its last launch done; `started`: the host time it began). `sample`: what the gate
+        counts for it, (batch size, drafted, tokens), or None (not a gate sample). Returns the samples whose
+        cycles are known now, as (batch size, drafted, tokens, cycle ms): on CUDA the last step's, on CPU this
+        one's."""
+        done = self._resolve()
+        end = self._mark()
+        now = self.clock()
+        if sample is not None and self.last is not None and \
+                started - self.last[1] <= max(self.GAP_MS / 1e3, now - started):
+            self.pending = (self.last[0], end, sample)
+        self.last = (end, now)
+        return done if self.cuda else self._resolve()
+
+
 class ModelRunner:
     def __init__(self, model: HybridModel, cache: ModelCache, drafter: Drafter | None = None,
                  policy: str = "fixed", max_verify_len: int = 16):
@@ -89,6 +143,7 @@ class ModelRunner:
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
         self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
+        self._ends = _StepEnds(self.device)  # cycles of the gate's samples (a new policy: a new gate)
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
@@ -362,9 +417,13 @@ class ModelRunner:
             self._read_distinct(moe.distinct_experts)
             if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
             verified), moe.expert_counts if learns_experts and moe is not None else None)
+        sample = None
         if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
-            self.policy.observe_outcome(len(requests), bool(draft_reqs),
-                                        sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
+            tokens = self.policy.observe_outcome(len(requests), bool(draft_reqs),
+                                                 sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
+            sample = None if tokens is None else (len(requests), bool(draft_reqs), tokens)
+        for cycle in self._ends.step_ended(start, sample):
+            self.policy.observe_cycle(*cycle)
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
