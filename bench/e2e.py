@@ -276,6 +276,8 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
     row: dict = {}
     err = policy.latency.error_stats()  # prequential: each step predicted before it ran
     row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct}
+    if policy.latency.coefs is not None:
+        row["latency_coefs"] = dataclasses.asdict(policy.latency.coefs)
     if policy.gate is not None:
         row["speculative_step_share"] = policy.gate.speculative_share()
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)

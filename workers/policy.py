@@ -69,6 +69,9 @@ REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and it
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
 # time a step at c=1 on a CPU core (bench/NOTES.md)
 CALIBRATION_STALE_READS = 7
+# hybridspec's measured step cost rises by at least min(the latency model's ms_per_token, this fraction of the cost
+# table's mean rise a token over its span) a token (step_cost)
+SLOPE_FLOOR_CHORD = 0.5
 
 
 @dataclass
@@ -421,12 +424,17 @@ class LengthPolicy:
         the latency model (tokens, distinct experts, requests, context). The linear model misses the steps of
         the graphs' token buckets and kernel variants: planning on it alone chose 30-60% shorter or longer blocks
         than the measured costs justify (bench/NOTES.md, e2e runs 3-4 of 2026-11-30). A measured table's cost
-        rises by at least the model's ms_per_token a token (SlopeFloor): points that are no longer refreshed
-        can flatten it, and a flat cost would make every draft look free."""
+        rises by at least the model's ms_per_token a token, but no more than SLOPE_FLOOR_CHORD of the table's own
+        mean rise (SlopeFloor): points that are no longer refreshed can flatten it, and a flat cost would make
+        every draft look free."""
         table = self.cost_table(len(tokens))
         if table is not None and len(table.tokens) >= 2:
             floor = self.latency.coefs.ms_per_token if self.latency.coefs is not None else 0.0
-            return SlopeFloor(table, floor)
+            # at most a fraction of the table's own mean rise a token: the model's ms_per_token is one slope for
+            # every batch size, and at c=1 it held the measured table's 0.08 ms a token at ~0.15-0.2 (plans of
+            # 10-12 drafts where 15 paid: bench/NOTES.md, 30f35fb)
+            chord = (table.step_ms[-1] - table.step_ms[0]) / (table.tokens[-1] - table.tokens[0])
+            return SlopeFloor(table, min(floor, SLOPE_FLOOR_CHORD * max(chord, 0.0)))
         base = StepComposition(tokens, contexts, self.num_moe_layers)
         return self.latency.token_cost(base, self._distinct_upto(max_tokens))
 
