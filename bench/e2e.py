@@ -280,6 +280,10 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["latency_coefs"] = dataclasses.asdict(policy.latency.coefs)
     if policy.gate is not None:
         row["speculative_step_share"] = policy.gate.speculative_share()
+        # per batch-size bucket: [speculative, plain] output tokens per ms per request and their sample counts
+        row["gate_rates"] = {b: [policy.gate.rate.get((b, s)) for s in (True, False)] +
+                             [policy.gate.samples.get((b, s), 0) for s in (True, False)]
+                             for b in sorted({b for b, _ in policy.gate.rate})}
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
     if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'
         # longest lengths (width_plan's choices)
