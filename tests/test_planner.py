@@ -466,6 +466,32 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
 
+def test_speculation_gate_returns_to_speculation_only_by_a_margin():
+    """A bucket holding plain decoding goes back to speculation only where speculation's rate beats plain's by
+    SWITCH_MARGIN (its first drafted step pays the drafter's catch-up); one holding speculation keeps it while
+    its rate is at least plain's."""
+    from workers.policy import SpeculationGate
+
+    def run(gate: SpeculationGate, spec_rate: float, steps: int) -> list[bool]:
+        out = []
+        for _ in range(steps):
+            draft = gate.should_draft(12)
+            out.append(draft)
+            gate.observe(12, draft, 12 * spec_rate * 10.0 if draft else 12.0, 10.0)  # plain: 0.1 per request
+        return out
+
+    gate = SpeculationGate()
+    run(gate, 0.09, 40)  # speculation slower: the bucket holds plain decoding
+    assert gate.verdict[16] is False
+    tail = run(gate, 0.105, 100)[20:]  # 5% ahead now: under the margin, plain is held (probes aside)
+    assert sum(tail) <= len(tail) / SpeculationGate.PROBE + 1, sum(tail)
+    tail = run(gate, 0.115, 200)[100:]  # 15% ahead: speculation again once its probes have measured it
+    assert sum(tail) >= len(tail) - len(tail) / SpeculationGate.PROBE - 1 and gate.verdict[16] is True
+    # held speculation is kept while its rate is at least plain's, and left once plain is faster
+    assert sum(run(gate, 0.102, 60)[10:]) >= 50 - 50 / SpeculationGate.PROBE - 1
+    assert sum(run(gate, 0.09, 60)[20:]) <= 40 / SpeculationGate.PROBE + 1
+
+
 def test_step_ends_charge_each_step_its_queued_device_work():
     """The gate's sample of a decode step is its whole cycle: from the end of the step before it to the end of
     everything it launched. On CUDA a drafted step's commit runs after the host has returned, so the step is
