@@ -280,10 +280,12 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["latency_coefs"] = dataclasses.asdict(policy.latency.coefs)
     if policy.gate is not None:
         row["speculative_step_share"] = policy.gate.speculative_share()
-        # per batch-size bucket: [speculative, plain] output tokens per ms per request and their sample counts
-        row["gate_rates"] = {b: [policy.gate.rate.get((b, s)) for s in (True, False)] +
-                             [policy.gate.samples.get((b, s), 0) for s in (True, False)]
-                             for b in sorted({b for b, _ in policy.gate.rate})}
+        # per batch-size bucket: [speculative, plain] output tokens per ms per request, the samples the bucket
+        # measured itself (inherited ones not counted) and the side it holds (True: speculation; None: none yet)
+        gate = policy.gate
+        row["gate_rates"] = {b: [gate.rate.get((b, s)) for s in (True, False)] +
+                             [gate.own.get((b, s), 0) for s in (True, False)] + [gate.verdict.get(b)]
+                             for b in sorted({b for b, _ in gate.rate})}
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
     if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'
         # longest lengths (width_plan's choices)

@@ -39,6 +39,7 @@ PARTS = (("execute (whole step)", "workers/runner.py", "execute"),
          ("commit: graphs.commit", "workers/graphs.py", "commit"),
          ("learn: policy.observe", "workers/policy.py", "observe"),
          ("learn: observe_outcome", "workers/policy.py", "observe_outcome"),
+         ("learn: observe_cycle (the gate)", "workers/policy.py", "observe_cycle"),
          ("sync: tolist (waits for the GPU)", "~", "<method 'tolist' of 'torch._C.TensorBase' objects>"),
          ("sync: event synchronize", "~", "<method 'synchronize' of 'torch._C._CudaEventBase' objects>"))
 

@@ -46,7 +46,8 @@ PARTS = (("draft: propose", ReplayDrafter, "propose"),
          ("graph commit", StepGraphs, "commit"),
          ("accept", runner_mod, "accept"),
          ("learn: observe", LengthPolicy, "observe"),
-         ("learn: outcome", LengthPolicy, "observe_outcome"))
+         ("learn: outcome", LengthPolicy, "observe_outcome"),
+         ("learn: cycle", LengthPolicy, "observe_cycle"))
 
 
 def _labelled(label: str, fn):

@@ -490,13 +490,20 @@ def test_speculation_gate_returns_to_speculation_only_by_a_margin():
     # held speculation is kept while its rate is at least plain's, and left once plain is faster
     assert sum(run(gate, 0.102, 60)[10:]) >= 50 - 50 / SpeculationGate.PROBE - 1
     assert sum(run(gate, 0.09, 60)[20:]) <= 40 / SpeculationGate.PROBE + 1
+    # a bucket met for the first time takes its neighbour's side with its rates: holding plain, 5% ahead is not
+    # enough to speculate there either
+    run(gate, 0.105, 40)
+    assert gate.verdict[16] is False
+    assert [gate.should_draft(6) for _ in range(5)] == [False] * 5 and gate.verdict[8] is False
 
 
 def test_step_ends_charge_each_step_its_queued_device_work():
-    """The gate's sample of a decode step is its whole cycle: from the end of the step before it to the end of
-    everything it launched. On CUDA a drafted step's commit runs after the host has returned, so the step is
-    charged up to its end event (read one step late, never waited for: a cycle not done by then is dropped); a
-    step started long after the last one returned (the engine idled) gives no sample."""
+    """The gate's sample of a decode step is its whole cycle: from where the step before it returned (after its
+    learning) to the end of everything it launched. On CUDA a drafted step's commit runs after the host has
+    returned, so the step is charged up to its end event, read at a later step's end once the device has passed
+    it (never waited for: an unread cycle is tried again, at most MAX_PENDING kept); a step's learning (a
+    routing-statistics fold) is in no cycle; a step started long after the last one returned (the engine idled)
+    gives no sample."""
     from workers.runner import _StepEnds
 
     device = {"now": 0.0}  # ms on the device's clock
@@ -514,34 +521,46 @@ def test_step_ends_charge_each_step_its_queued_device_work():
     host = {"now": 0.0}  # seconds on the host's clock
     ends = _StepEnds(torch.device("cpu"), clock=lambda: host["now"])
     ends.cuda = True
-    finish = []  # device time at which each marked step's queued work is done
-    ends._mark = lambda: FakeEvent(finish.pop(0))
+    marks = []  # device times at which the next marks are passed
+    ends.mark = lambda: FakeEvent(marks.pop(0))
 
-    def step(start_s: float, end_s: float, done_ms: float, device_now_ms: float, sample):
-        host["now"], device["now"] = end_s, device_now_ms
-        finish.append(done_ms)
-        return ends.step_ended(start_s, sample)
+    def step(start_s: float, end_ms: float, returned_s: float, resume_ms: float, device_now_ms: float, sample):
+        """A step begun at start_s (host) whose launches end at end_ms (device); its learning returns at
+        returned_s (host), the device passes that point at resume_ms; the device's clock then: device_now_ms."""
+        marks.extend([end_ms, resume_ms])
+        end = ends.mark()
+        host["now"], device["now"] = returned_s, device_now_ms
+        got = ends.step_ended(start_s, end, sample)
+        ends.resumed()
+        return got
 
-    assert step(0.000, 0.010, 10.0, 10.0, None) == []  # a prefill step: no sample, its end starts the next cycle
-    # a drafted step returns at 20 ms on the host, its commit runs until 23 ms on the device
-    assert step(0.0102, 0.020, 23.0, 20.0, (4, True, 8.0)) == []
+    assert step(0.000, 10.0, 0.010, 10.0, 10.0, None) == []  # a prefill step: no sample, the next cycle starts
+    # a drafted step returns at 20 ms on the host, its commit runs until 23 ms on the device, then its learning
+    # (a routing-statistics fold) keeps the host until 27 ms with the device idle
+    assert step(0.0102, 23.0, 0.027, 27.0, 20.0, (4, True, 8.0)) == []  # its commit is still running
     # the next (plain) step's acceptance has synchronized past the commit: the drafted cycle is 23 - 10 ms
-    assert step(0.0203, 0.033, 35.0, 33.0, (4, False, 4.0)) == [(4, True, 8.0, 13.0)]
-    # the plain step's cycle is 35 - 23 ms (not 33 - 20 on the host); its end is read at the next step
-    assert step(0.0352, 0.045, 47.0, 45.0, (4, False, 4.0)) == [(4, False, 4.0, 12.0)]
-    # a step whose predecessor's end is not reached yet when it ends: that cycle is dropped, never waited for
-    assert step(0.0472, 0.050, 60.0, 46.0, (4, False, 4.0)) == []
-    # an idle engine: a step starting 1 s after the last one returned gives no sample (the last one's is read)
-    assert step(1.050, 1.060, 1060.0, 1060.0, (4, True, 8.0)) == [(4, False, 4.0, 13.0)] and ends.pending is None
-    assert step(1.0602, 1.070, 1070.0, 1070.0, None) == []
+    assert step(0.0272, 35.0, 0.034, 35.0, 33.0, (4, False, 4.0)) == [(4, True, 8.0, 13.0)]
+    # the plain step's cycle is 35 - 27 ms: the fold is in neither cycle (and not 33 - 20 on the host)
+    assert step(0.0342, 47.0, 0.046, 47.0, 45.0, (4, False, 4.0)) == [(4, False, 4.0, 8.0)]
+    # a step whose predecessor's end is not passed yet when it ends: that cycle waits, and is read later
+    assert step(0.0462, 60.0, 0.050, 60.0, 46.0, (4, False, 4.0)) == []
+    assert step(0.0502, 70.0, 0.072, 70.0, 72.0, None) == [(4, False, 4.0, 12.0), (4, False, 4.0, 13.0)]
+    # an idle engine: a step starting 1 s after the last one returned gives no sample
+    assert step(1.072, 1080.0, 1.080, 1080.0, 1080.0, (4, True, 8.0)) == [] and ends.pending == []
+    # cycles never passed are kept up to MAX_PENDING, the newest
+    for i in range(6):
+        step(1.0802 + i * 0.01, 1e9, 1.09 + i * 0.01, 1e9, 1090.0, (4, False, float(i)))
+    assert [p[2][2] for p in ends.pending] == [2.0, 3.0, 4.0, 5.0][-_StepEnds.MAX_PENDING:]
 
     # CPU: every step's work is done when it returns, its cycle is known at once
-    host["now"] = 0.0
-    cpu = _StepEnds(torch.device("cpu"), clock=lambda: host["now"])
     host["now"] = 0.010
-    assert cpu.step_ended(0.0, (2, True, 5.0)) == []  # no step before it: no cycle
+    cpu = _StepEnds(torch.device("cpu"), clock=lambda: host["now"])
+    assert cpu.step_ended(0.0, cpu.mark(), (2, True, 5.0)) == []  # no step before it: no cycle
+    cpu.resumed()
     host["now"] = 0.030
-    assert cpu.step_ended(0.0105, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
+    end = cpu.mark()
+    host["now"] = 0.034  # its learning: not in the cycle
+    assert cpu.step_ended(0.0105, end, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
 
 
 def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():
@@ -596,6 +615,10 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     assert res.tokens == greedy
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
+    assert gate.own[(2, True)] >= 1 and gate.own[(2, False)] >= 1  # the runner fed it cycles of both sides
+    ends = runner._ends
+    runner.set_policy("hybridspec")  # a new policy: a new gate, no cycle of the old one's steps
+    assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []
     # a step in which anything captured a CUDA graph (here: every step, as counted by captures_total) is no sample
     # of its kind: the gate learns nothing from it
     before = dict(gate.samples)
@@ -708,6 +731,19 @@ def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     assert isinstance(cost, SlopeFloor) and cost.cost_ms(10) == pytest.approx(9.0)
     # flatter than the model's ms_per_token (0.1) between 10 and 18 tokens: the floor holds the slope
     assert cost.cost_ms(18) == pytest.approx(9.8) and cost.costs_ms(2, 18)[-1] == pytest.approx(9.8)
+    # a model slope above the table's own: the floor is at most SLOPE_FLOOR_CHORD (0.5) of the table's mean rise
+    # (4.5 ms over 16 tokens), here 0.14 ms a token, and at least SLOPE_FLOOR_MIN (0.25) of the model's: 0.25
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=1.0)
+    assert policy.step_cost([1, 1], [10, 10], 20).cost_ms(18) == pytest.approx(9.0 + 8 * 0.25)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.2)  # 0.5 x 0.28 = 0.14 < 0.2
+    assert policy.step_cost([1, 1], [10, 10], 20).cost_ms(18) == pytest.approx(9.0 + 8 * 0.140625)
+    flat = LengthPolicy("hybridspec", cfg, max_verify_len=8)  # a flat, then falling table keeps a floor
+    flat.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
+    for t, ms in ((2, 9.0), (10, 9.0), (18, 8.9)):
+        flat.observe_profile(StepObservation([t // 2] * 2, [10, 10], ms, None), None)
+    cost = flat.step_cost([1, 1], [10, 10], 20)  # (the table pools the falling points to one level)
+    assert cost.cost_ms(18) == pytest.approx(cost.cost_ms(2) + 16 * 0.025)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
     assert isinstance(policy.step_cost([1] * 4, [10] * 4, 40), ModelTokenCost)  # bucket 4: nothing measured
     # a prefill chunk (no context yet, or longer than a verification block) is no sample of a verification step
     policy.observe(None, StepObservation([600, 1], [0, 30], 40.0, None), None)

@@ -72,6 +72,7 @@ CALIBRATION_STALE_READS = 7
 # hybridspec's measured step cost rises by at least min(the latency model's ms_per_token, this fraction of the cost
 # table's mean rise a token over its span) a token (step_cost)
 SLOPE_FLOOR_CHORD = 0.5
+SLOPE_FLOOR_MIN = 0.25  # ... but at least this fraction of the model's ms_per_token
 
 
 @dataclass
@@ -116,8 +117,9 @@ class SpeculationGate:
     forward times leave out): per batch-size bucket an EWMA of output tokens per ms per request of decode steps
     with drafts and of plain decode steps. It drafts unless the speculative side is measured slower, and every
     PROBE-th step it tries the losing side so that a change of acceptance or load is seen (every FAR_PROBE x
-    PROBE-th where the loser is below FAR x the winner's rate). Each side is measured MIN_SAMPLES times first (speculative first). A drafted step's tokens are the plan's
-    expected tokens (LengthPolicy.observe_outcome), which vary far less from step to step than accepted lengths.
+    PROBE-th where the loser is below FAR x the winner's rate). Each side is measured MIN_SAMPLES times first
+    (speculative first). A drafted step's tokens are the plan's expected tokens (LengthPolicy.observe_outcome),
+    which vary far less from step to step than accepted lengths.
 
     Two rules keep the exploration cheap (bench/NOTES.md: short runs and the buckets met as requests finish paid
     three plain steps each, and a plain probe every 16 steps cost ~3% where speculation wins 3x):
@@ -133,7 +135,9 @@ class SpeculationGate:
     SWITCH_MARGIN: the first drafted step after plain ones pays the drafter's catch-up on the tokens it did not
     draft, which the rate, led by the cheap steps of a speculative run, hardly sees (c=64 / 0.5 on the H200,
     dce2f83: the gate put speculation 11% ahead, its drafted steps took 30.3 ms on average against a median of
-    26.1, and the cell ran at 0.94-0.97x ar with 27-40% of its steps drafted)."""
+    26.1, and the cell ran at 0.94-0.97x ar with 27-40% of its steps drafted). While a bucket holds plain
+    decoding its speculative rate comes from probes only, each of which pays that catch-up: the lead it takes to
+    go back is the margin plus the catch-up's share of a step. An inherited bucket takes its neighbour's side."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
     SWITCH_MARGIN = 0.1
@@ -167,6 +171,8 @@ class SpeculationGate:
         for side in (True, False):
             self.rate[(b, side)] = self.rate[(near, side)]
             self.samples[(b, side)] = self.MIN_SAMPLES
+        if near in self.verdict:  # and the side it holds (the switch margin applies to it alike)
+            self.verdict[b] = self.verdict[near]
         self.inherited.add(b)
 
     def should_draft(self, batch_size: int, plain_hint: float | None = None) -> bool:
@@ -348,7 +354,7 @@ class LengthPolicy:
         """A whole decode step (no prefill, no graph capture): `tokens` output tokens, `step_ms` on the host clock
         until it returned, of which the target's forward took `forward_ms` (None: not measured). Returns the
         tokens the step counts for in hybridspec's gate (None: the gate does not learn from it); the gate's sample
-        is the step's whole cycle, known one step later (observe_cycle)."""
+        is the step's whole cycle, known once the device has passed its end (observe_cycle)."""
         gate_tokens = None
         if self.gate is not None and self.warm():
             # a drafted step counts the plan's expected tokens (calibrated survival), not the realized ones: the
@@ -372,7 +378,7 @@ class LengthPolicy:
         return gate_tokens
 
     def observe_cycle(self, batch_size: int, drafted: bool, tokens: float, cycle_ms: float) -> None:
-        """hybridspec's gate learns a decode step's cycle: from the end of the step before it to the end of
+        """hybridspec's gate learns a decode step's cycle: from where the step before it returned to the end of
         everything it launched (its commit included), with the tokens observe_outcome counted for it."""
         if self.gate is not None:
             self.gate.observe(batch_size, drafted, tokens, cycle_ms)
@@ -441,8 +447,9 @@ class LengthPolicy:
             # at most a fraction of the table's own mean rise a token: the model's ms_per_token is one slope for
             # every batch size, and at c=1 it held the measured table's 0.08 ms a token at ~0.15-0.2 (plans of
             # 10-12 drafts where 15 paid: bench/NOTES.md, 30f35fb)
+            # (and at least SLOPE_FLOOR_MIN of the model's: a flat or falling table keeps a floor)
             chord = (table.step_ms[-1] - table.step_ms[0]) / (table.tokens[-1] - table.tokens[0])
-            return SlopeFloor(table, min(floor, SLOPE_FLOOR_CHORD * max(chord, 0.0)))
+            return SlopeFloor(table, min(floor, max(SLOPE_FLOOR_CHORD * chord, SLOPE_FLOOR_MIN * floor)))
         base = StepComposition(tokens, contexts, self.num_moe_layers)
         return self.latency.token_cost(base, self._distinct_upto(max_tokens))
 

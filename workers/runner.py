@@ -75,24 +75,27 @@ class _DraftTimer:
 
 
 class _StepEnds:
-    """hybridspec's gate samples a decode step's whole cycle: from the end of the step before it to its own end,
-    where a step ends when the device has done everything it launched. The host's step time is not that: the
-    commit is queued after acceptance has read back, so its device time lands in the next step (at c=64 / 0.5 on
-    the H200, ddebf45: plain steps after drafted ones took ~2 ms longer than AR's, and the gate drafted on 46% of
-    the steps where plain decoding was faster). CUDA: an event recorded after a step's last launch, read at the
-    next step's end, when that step's acceptance has synchronized past it (never waited for: a cycle not done by
-    then is dropped); CPU: the host clock when the step returns (all its work is done by then: the cycle is known
-    at once). A step that starts more than max(GAP_MS, its own host time) after the last one returned (the engine
-    had no work for a while) gives no sample."""
+    """hybridspec's gate samples a decode step's whole cycle: from where the step before it handed over (after
+    its learning) to the end of everything the step launched. The host's step time is not that: the commit is
+    queued after acceptance has read back, so its device time lands in the next step (at c=64 / 0.5 on the H200,
+    ddebf45: plain steps after drafted ones took ~2 ms longer than AR's, and the gate drafted on 46% of the steps
+    where plain decoding was faster). A step's end is marked after its last launch and before its learning (a
+    routing-statistics fold or a refit is no cost of the step's kind); the next cycle starts where the step
+    returns (`resumed`). CUDA: events, each cycle read at a later step's end, once the device has passed it (never
+    waited for; an unread cycle is tried again for up to MAX_PENDING steps); CPU: the host clock (all of a step's
+    work is done when it returns: the cycle is known at once). A step that starts more than max(GAP_MS, its own
+    host time) after the last one returned (the engine had no work for a while) gives no sample."""
 
     GAP_MS = 5.0
+    MAX_PENDING = 4
 
     def __init__(self, device: torch.device, clock=time.perf_counter):
         self.cuda, self.clock = device.type == "cuda", clock
-        self.last: tuple | None = None  # (end marker, host time it returned) of the last step
-        self.pending: tuple | None = None  # (previous end marker, end marker, sample) of a cycle still running
+        self.resume: tuple | None = None  # (marker, host time) where the last step returned
+        self.pending: list[tuple] = []  # (start marker, end marker, sample) of cycles not read yet, oldest first
 
-    def _mark(self):
+    def mark(self):
+        """A point in the step's stream of work: a CUDA event recorded now, or the host clock."""
         if not self.cuda:
             return self.clock()
         event = torch.cuda.Event(enable_timing=True)
@@ -105,27 +108,32 @@ class _StepEnds:
         return begin.elapsed_time(end) if end.query() else None
 
     def _resolve(self) -> list[tuple]:
-        """The pending sample as (batch size, drafted, tokens, cycle ms) where its end has been reached."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return []
-        begin, end, sample = pending
-        ms = self._elapsed_ms(begin, end)
-        return [(*sample, ms)] if ms is not None and ms > 0 else []
+        """The pending samples whose ends have been reached, as (batch size, drafted, tokens, cycle ms); the
+        others stay pending (the newest MAX_PENDING)."""
+        done, left = [], []
+        for begin, end, sample in self.pending:
+            ms = self._elapsed_ms(begin, end)
+            if ms is None:
+                left.append((begin, end, sample))
+            elif ms > 0:
+                done.append((*sample, ms))
+        self.pending = left[-self.MAX_PENDING:]
+        return done
 
-    def step_ended(self, started: float, sample: tuple | None) -> list[tuple]:
-        """At a step's end (its last launch done; `started`: the host time it began). `sample`: what the gate
-        counts for it, (batch size, drafted, tokens), or None (not a gate sample). Returns the samples whose
-        cycles are known now, as (batch size, drafted, tokens, cycle ms): on CUDA the last step's, on CPU this
-        one's."""
-        done = self._resolve()
-        end = self._mark()
-        now = self.clock()
-        if sample is not None and self.last is not None and \
-                started - self.last[1] <= max(self.GAP_MS / 1e3, now - started):
-            self.pending = (self.last[0], end, sample)
-        self.last = (end, now)
-        return done if self.cuda else self._resolve()
+    def step_ended(self, started: float, end, sample: tuple | None) -> list[tuple]:
+        """After a step's learning. `started`: the host time the step began; `end`: its mark() after its last
+        launch; `sample`: what the gate counts for it, (batch size, drafted, tokens), or None (no gate sample).
+        Returns the samples whose cycles are known now, as (batch size, drafted, tokens, cycle ms)."""
+        if sample is not None and self.resume is not None:
+            begin, returned = self.resume
+            if started - returned <= max(self.GAP_MS / 1e3, self.clock() - started):
+                self.pending.append((begin, end, sample))
+        self.resume = None
+        return self._resolve()
+
+    def resumed(self) -> None:
+        """At the very end of a step: the next step's cycle starts here."""
+        self.resume = (self.mark(), self.clock())
 
 
 class ModelRunner:
@@ -410,8 +418,10 @@ class ModelRunner:
         # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
         # latency model, which plans the graphed decode/verify steps
         forward_ms = None if captured or (graphs is not None and key is None) else timer.elapsed_ms()
-        step_ms = (time.perf_counter() - start) * 1e3  # the gate's sample: before the learning below (a
-        # routing-statistics fold must not land in it)
+        step_ms = (time.perf_counter() - start) * 1e3  # before the learning below (a routing-statistics fold
+        # must not land in it); so does the end of the gate's cycle
+        gated = self.policy.gate is not None
+        end = self._ends.mark() if gated else None
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
             self._read_distinct(moe.distinct_experts)
@@ -422,11 +432,14 @@ class ModelRunner:
             tokens = self.policy.observe_outcome(len(requests), bool(draft_reqs),
                                                  sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
             sample = None if tokens is None else (len(requests), bool(draft_reqs), tokens)
-        for cycle in self._ends.step_ended(start, sample):
-            self.policy.observe_cycle(*cycle)
+        if gated:
+            for cycle in self._ends.step_ended(start, end, sample):
+                self.policy.observe_cycle(*cycle)
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
+        if gated:
+            self._ends.resumed()
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
