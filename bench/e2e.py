@@ -87,6 +87,10 @@ class RunResult:
     step_tokens: list[int] = dataclasses.field(default_factory=list)  # verified tokens of each step in step_ms
     eager_steps: int = 0  # decode steps that ran eagerly with graphs on (a failed capture, a full graph set)
     draft_widths: dict[int, int] = dataclasses.field(default_factory=dict)  # drafted decode steps by drafts asked
+    # output tokens and time of the decode steps that ran every request of the cell (the closed batch's tail,
+    # where requests that finished early have left, is not in them)
+    full_tokens: int = 0
+    full_s: float = 0.0
 
 
     def row(self) -> dict:
@@ -94,6 +98,8 @@ class RunResult:
             "policy": self.policy, "concurrency": self.concurrency, "acceptance": self.acceptance,
             "output_tokens_per_s": self.output_tokens / self.wall_s, "steps": self.steps,
             "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+            "full_batch_tokens_per_s": self.full_tokens / self.full_s if self.full_s else 0.0,
+            "full_batch_step_share": self.full_s / self.decode_s if self.decode_s else 0.0,
             "capture_steps": self.captures,
             "eager_decode_steps": self.eager_steps,
             "drafted_width_steps": dict(sorted(self.draft_widths.items())),
@@ -179,6 +185,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         sched.add(r)
     step_ms, step_tokens, tally, steps, prefill_steps = [], [], Tally(), 0, []
     decode_tokens, captures, eager = 0, 0, 0
+    full_tokens, full_s = 0, 0.0  # decode steps that ran every request of the cell
     widths: dict[int, int] = {}
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
@@ -204,9 +211,14 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         if prefill_steps[-1:] != [len(step_ms) - 1] and getattr(runner, "last_draft_width", 0):
             widths[runner.last_draft_width] = widths.get(runner.last_draft_width, 0) + 1
         steps += 1
+        decode_step = prefill_steps[-1:] != [len(step_ms) - 1]
+        full = decode_step and len(work) == len(prompts)
+        if full:
+            full_s += step_ms[-1] / 1e3
         for r, taken, done in apply_step(sched, plan, result, tally):
-            if prefill_steps[-1:] != [len(step_ms) - 1]:
+            if decode_step:
                 decode_tokens += taken
+                full_tokens += taken if full else 0
             first_token_s.setdefault(r.request_id, now)
             if done:
                 done_s[r.request_id] = now
@@ -220,7 +232,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                      [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, tally.draft, tally.accepted,
                      tally.verified,
                      [r.output_ids for r in reqs], decode_tokens, decode_s, captures,
-                     [t for i, t in enumerate(step_tokens) if i not in pre], eager, widths)
+                     [t for i, t in enumerate(step_tokens) if i not in pre], eager, widths, full_tokens, full_s)
 
 
 def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,
@@ -262,7 +274,8 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         captures=sum(r.captures for r in runs), step_tokens=[x for r in runs for x in r.step_tokens],
         eager_steps=sum(r.eager_steps for r in runs),
         draft_widths={w: sum(r.draft_widths.get(w, 0) for r in runs)
-                      for w in {w for r in runs for w in r.draft_widths}})
+                      for w in {w for r in runs for w in r.draft_widths}},
+        full_tokens=sum(r.full_tokens for r in runs), full_s=sum(r.full_s for r in runs))
 
 
 def run_rates(runs: list[RunResult]) -> list[float]:
@@ -477,6 +490,9 @@ def main() -> None:
                     next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                     for a, b in zip(r.tokens, ar.tokens)) for r in runs[policy])
                 row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_cell["decode_tokens_per_s"]
+                full_ar = ar_cell.get("full_batch_tokens_per_s")
+                if full_ar:  # the same over the steps that ran the whole batch (the closed batch's tail left out)
+                    row["full_batch_speedup_vs_ar"] = row["full_batch_tokens_per_s"] / full_ar
                 row.update(policy_report(learned[policy], policy, conc))
                 rows.append(row)
                 dump(args.out, meta, rows)

@@ -106,8 +106,12 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         assert 0 < binned <= row["steps"] - row["capture_steps"]
         widths = {int(w): n for w, n in row["drafted_width_steps"].items()}  # drafted decode steps by drafts asked
         assert widths and 0 < sum(widths.values()) <= binned and max(widths) <= 16
+        # the steps that ran both requests (the closed batch's tail left out): a share of the decode time
+        assert row["full_batch_tokens_per_s"] > 0 and 0 < row["full_batch_step_share"] <= 1
+        assert row["full_batch_speedup_vs_ar"] == row["full_batch_tokens_per_s"] / cell_ar["full_batch_tokens_per_s"]
         if policy == "fixed4":  # 4 drafts asked, fewer near a request's end (the scheduler's cap)
             assert max(widths) == 4 and widths[4] >= max((n for w, n in widths.items() if w != 4), default=0)
+    assert 0 < cell_ar["full_batch_step_share"] <= 1
     for bad in (["--policies", "ar,budget"], ["--repeats", "0"]):
         out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", *bad, "--out", str(tmp_path)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
