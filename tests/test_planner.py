@@ -467,9 +467,9 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
 
 
 def test_speculation_gate_returns_to_speculation_only_by_a_margin():
-    """A bucket holding plain decoding goes back to speculation only where speculation's rate beats plain's by
-    SWITCH_MARGIN (its first drafted step pays the drafter's catch-up); one holding speculation keeps it while
-    its rate is at least plain's."""
+    """With a SWITCH_MARGIN, a bucket holding plain decoding goes back to speculation only where speculation's
+    rate beats plain's by it (its first drafted step pays the drafter's catch-up); one holding speculation keeps it
+    while its rate is at least plain's. With none (the default), the faster side wins at once."""
     from workers.policy import SpeculationGate
 
     def run(gate: SpeculationGate, spec_rate: float, steps: int) -> list[bool]:
@@ -481,6 +481,7 @@ def test_speculation_gate_returns_to_speculation_only_by_a_margin():
         return out
 
     gate = SpeculationGate()
+    gate.SWITCH_MARGIN = 0.1  # (0 by default: measured no gain)
     run(gate, 0.09, 40)  # speculation slower: the bucket holds plain decoding
     assert gate.verdict[16] is False
     tail = run(gate, 0.105, 100)[20:]  # 5% ahead now: under the margin, plain is held (probes aside)
@@ -495,6 +496,9 @@ def test_speculation_gate_returns_to_speculation_only_by_a_margin():
     run(gate, 0.105, 40)
     assert gate.verdict[16] is False
     assert [gate.should_draft(6) for _ in range(5)] == [False] * 5 and gate.verdict[8] is False
+    plain_held = SpeculationGate()  # the default: 5% ahead is enough to go back
+    run(plain_held, 0.09, 40)
+    assert sum(run(plain_held, 0.105, 140)[100:]) >= 40 - 40 / SpeculationGate.PROBE - 1  # once probes saw it
 
 
 def test_step_ends_charge_each_step_its_queued_device_work():

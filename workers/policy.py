@@ -132,15 +132,17 @@ class SpeculationGate:
       ratio between the sides carries over, not the neighbour's per-request scale. Far-probe spacing waits until
       the bucket has measured both sides itself.
     A bucket on plain decoding goes back to speculation only where speculation's rate beats plain's by
-    SWITCH_MARGIN: the first drafted step after plain ones pays the drafter's catch-up on the tokens it did not
-    draft, which the rate, led by the cheap steps of a speculative run, hardly sees (c=64 / 0.5 on the H200,
-    dce2f83: the gate put speculation 11% ahead, its drafted steps took 30.3 ms on average against a median of
-    26.1, and the cell ran at 0.94-0.97x ar with 27-40% of its steps drafted). While a bucket holds plain
-    decoding its speculative rate comes from probes only, each of which pays that catch-up: the lead it takes to
-    go back is the margin plus the catch-up's share of a step. An inherited bucket takes its neighbour's side."""
+    SWITCH_MARGIN (an inherited bucket takes its neighbour's side): the first drafted step after plain ones pays the
+    drafter's catch-up on the tokens it did not draft, which the rate, led by the cheap steps of a speculative run,
+    hardly sees (c=64 / 0.5 on the H200, dce2f83: the gate put speculation 11% ahead, its drafted steps took 30.3
+    ms on average against a median of 26.1, and the cell ran at 0.94-0.97x ar with 27-40% of its steps drafted).
+    While a bucket holds plain decoding its speculative rate comes from probes only, each of which pays that
+    catch-up. Measured at 0.1 (c7dea79, 06d7c05): no gain at c=64/0.5 (0.975-0.978x ar against 0.94-1.00
+    without), and plain held at c=1/0.5 for 25% of the steps where speculation led by 16% (1.07x ar against
+    1.10-1.13): 0 by default."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
-    SWITCH_MARGIN = 0.1
+    SWITCH_MARGIN = 0.0
 
     def __init__(self) -> None:
         # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
