@@ -185,7 +185,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         sched.add(r)
     step_ms, step_tokens, tally, steps, prefill_steps = [], [], Tally(), 0, []
     decode_tokens, captures, eager = 0, 0, 0
-    full_tokens, full_s = 0, 0.0  # decode steps that ran every request of the cell
+    full_tokens, full_steps = 0, set()  # decode steps that ran every request of the cell
     widths: dict[int, int] = {}
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
@@ -214,7 +214,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         decode_step = prefill_steps[-1:] != [len(step_ms) - 1]
         full = decode_step and len(work) == len(prompts)
         if full:
-            full_s += step_ms[-1] / 1e3
+            full_steps.add(len(step_ms) - 1)
         for r, taken, done in apply_step(sched, plan, result, tally):
             if decode_step:
                 decode_tokens += taken
@@ -228,6 +228,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     assert memory.stats()["used_pages"] == 0 and memory.stats()["used_slots"] == 0
     pre = set(prefill_steps)
     decode_s = sum(ms for i, ms in enumerate(step_ms) if i not in pre) / 1e3
+    full_s = sum(ms for i, ms in enumerate(step_ms) if i in full_steps) / 1e3  # (summed as decode_s: share <= 1)
     return RunResult(policy, len(prompts), None, sum(len(r.output_ids) for r in reqs), wall, steps,
                      [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, tally.draft, tally.accepted,
                      tally.verified,
@@ -246,7 +247,7 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
     k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
     runner.drafter = replay
     if policy in learned:
-        runner.policy = learned[policy]
+        runner.use_policy(learned[policy])
     else:
         runner.set_policy("fixed" if policy.startswith("fixed") else policy.split("-")[0], k)
         if policy.startswith("hybridspec-"):  # hybridspec with parts switched off (LengthPolicy.ablate)
@@ -491,7 +492,8 @@ def main() -> None:
                     for a, b in zip(r.tokens, ar.tokens)) for r in runs[policy])
                 row["speedup_vs_ar"] = row["decode_tokens_per_s"] / ar_cell["decode_tokens_per_s"]
                 full_ar = ar_cell.get("full_batch_tokens_per_s")
-                if full_ar:  # the same over the steps that ran the whole batch (the closed batch's tail left out)
+                if full_ar and row["full_batch_tokens_per_s"]:  # the same over the steps that ran the whole batch
+                    # (the closed batch's tail left out)
                     row["full_batch_speedup_vs_ar"] = row["full_batch_tokens_per_s"] / full_ar
                 row.update(policy_report(learned[policy], policy, conc))
                 rows.append(row)

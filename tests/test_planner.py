@@ -493,8 +493,9 @@ def test_speculation_gate_returns_to_speculation_only_by_a_margin():
     assert sum(run(gate, 0.09, 60)[20:]) <= 40 / SpeculationGate.PROBE + 1
     # a bucket met for the first time takes its neighbour's side with its rates: holding plain, 5% ahead is not
     # enough to speculate there either
-    run(gate, 0.105, 40)
-    assert gate.verdict[16] is False
+    run(gate, 0.09, 40)
+    gate.rate[(16, True)] = 0.105  # 5% ahead of plain's 0.1, under the margin: bucket 16 holds plain
+    assert gate.should_draft(12) is False and gate.verdict[16] is False
     assert [gate.should_draft(6) for _ in range(5)] == [False] * 5 and gate.verdict[8] is False
     plain_held = SpeculationGate()  # the default: 5% ahead is enough to go back
     run(plain_held, 0.09, 40)
@@ -534,7 +535,7 @@ def test_step_ends_charge_each_step_its_queued_device_work():
         marks.extend([end_ms, resume_ms])
         end = ends.mark()
         host["now"], device["now"] = returned_s, device_now_ms
-        got = ends.step_ended(start_s, end, sample)
+        got = ends.step_ended(start_s, returned_s, end, sample)
         ends.resumed()
         return got
 
@@ -559,12 +560,12 @@ def test_step_ends_charge_each_step_its_queued_device_work():
     # CPU: every step's work is done when it returns, its cycle is known at once
     host["now"] = 0.010
     cpu = _StepEnds(torch.device("cpu"), clock=lambda: host["now"])
-    assert cpu.step_ended(0.0, cpu.mark(), (2, True, 5.0)) == []  # no step before it: no cycle
+    assert cpu.step_ended(0.0, 0.010, cpu.mark(), (2, True, 5.0)) == []  # no step before it: no cycle
     cpu.resumed()
     host["now"] = 0.030
     end = cpu.mark()
     host["now"] = 0.034  # its learning: not in the cycle
-    assert cpu.step_ended(0.0105, end, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
+    assert cpu.step_ended(0.0105, 0.030, end, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
 
 
 def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():
@@ -619,10 +620,7 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     assert res.tokens == greedy
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
-    assert gate.own[(2, True)] >= 1 and gate.own[(2, False)] >= 1  # the runner fed it cycles of both sides
-    ends = runner._ends
-    runner.set_policy("hybridspec")  # a new policy: a new gate, no cycle of the old one's steps
-    assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []
+    assert gate.own.get((2, True), 0) >= 1 and gate.own.get((2, False), 0) >= 1  # the runner fed it both sides
     # a step in which anything captured a CUDA graph (here: every step, as counted by captures_total) is no sample
     # of its kind: the gate learns nothing from it
     before = dict(gate.samples)
@@ -630,6 +628,9 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     runner.captures_total = lambda: next(calls)
     res = serve(runner, prompts, 16, 8, page_size, num_pages, "hybridspec", keep_policy=True)
     assert res.tokens == [t[:16] for t in greedy] and gate.samples == before
+    ends = runner._ends
+    runner.use_policy(runner.policy)  # a policy (kept or new): its gate's cycles start afresh
+    assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []
 
 
 def test_speculation_gate_is_off_under_expert_parallelism():

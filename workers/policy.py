@@ -440,9 +440,9 @@ class LengthPolicy:
         the latency model (tokens, distinct experts, requests, context). The linear model misses the steps of
         the graphs' token buckets and kernel variants: planning on it alone chose 30-60% shorter or longer blocks
         than the measured costs justify (bench/NOTES.md, e2e runs 3-4 of 2026-11-30). A measured table's cost
-        rises by at least the model's ms_per_token a token, but no more than SLOPE_FLOOR_CHORD of the table's own
-        mean rise (SlopeFloor): points that are no longer refreshed can flatten it, and a flat cost would make
-        every draft look free."""
+        rises by at least a floor a token (SlopeFloor): points that are no longer refreshed can flatten it, and a
+        flat cost would make every draft look free. The floor is the model's ms_per_token, but no more than
+        SLOPE_FLOOR_CHORD of the table's own mean rise and no less than SLOPE_FLOOR_MIN of the model's."""
         table = self.cost_table(len(tokens))
         if table is not None and len(table.tokens) >= 2:
             floor = self.latency.coefs.ms_per_token if self.latency.coefs is not None else 0.0

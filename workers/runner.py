@@ -82,9 +82,10 @@ class _StepEnds:
     where plain decoding was faster). A step's end is marked after its last launch and before its learning (a
     routing-statistics fold or a refit is no cost of the step's kind); the next cycle starts where the step
     returns (`resumed`). CUDA: events, each cycle read at a later step's end, once the device has passed it (never
-    waited for; an unread cycle is tried again for up to MAX_PENDING steps); CPU: the host clock (all of a step's
-    work is done when it returns: the cycle is known at once). A step that starts more than max(GAP_MS, its own
-    host time) after the last one returned (the engine had no work for a while) gives no sample."""
+    waited for; unread cycles are tried again at later steps, the newest MAX_PENDING kept); CPU: the host clock
+    (all of a step's work is done when it returns: the cycle is known at once). A step that starts more than
+    max(GAP_MS, its own host time up to its end mark) after the last one returned (the engine had no work for a
+    while) gives no sample."""
 
     GAP_MS = 5.0
     MAX_PENDING = 4
@@ -120,13 +121,14 @@ class _StepEnds:
         self.pending = left[-self.MAX_PENDING:]
         return done
 
-    def step_ended(self, started: float, end, sample: tuple | None) -> list[tuple]:
-        """After a step's learning. `started`: the host time the step began; `end`: its mark() after its last
-        launch; `sample`: what the gate counts for it, (batch size, drafted, tokens), or None (no gate sample).
-        Returns the samples whose cycles are known now, as (batch size, drafted, tokens, cycle ms)."""
+    def step_ended(self, started: float, ended: float, end, sample: tuple | None) -> list[tuple]:
+        """After a step's learning. `started` / `ended`: the host times the step began and its end was marked;
+        `end`: its mark() after its last launch; `sample`: what the gate counts for it, (batch size, drafted,
+        tokens), or None (no gate sample). Returns the samples whose cycles are known now, as (batch size,
+        drafted, tokens, cycle ms)."""
         if sample is not None and self.resume is not None:
             begin, returned = self.resume
-            if started - returned <= max(self.GAP_MS / 1e3, self.clock() - started):
+            if started - returned <= max(self.GAP_MS / 1e3, ended - started):
                 self.pending.append((begin, end, sample))
         self.resume = None
         return self._resolve()
@@ -150,8 +152,13 @@ class ModelRunner:
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
-        self.policy = LengthPolicy(policy, self.model.config, max_verify_len, self.device)
-        self._ends = _StepEnds(self.device)  # cycles of the gate's samples (a new policy: a new gate)
+        self.use_policy(LengthPolicy(policy, self.model.config, max_verify_len, self.device))
+
+    def use_policy(self, policy: LengthPolicy) -> None:
+        """Runs the next steps under `policy` (a new one, or one kept from earlier runs); the gate's cycles start
+        afresh (no cycle of the last policy's steps reaches this one's gate)."""
+        self.policy = policy
+        self._ends = _StepEnds(self.device)
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
@@ -421,7 +428,7 @@ class ModelRunner:
         step_ms = (time.perf_counter() - start) * 1e3  # before the learning below (a routing-statistics fold
         # must not land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
-        end = self._ends.mark() if gated else None
+        end, ended = (self._ends.mark(), self._ends.clock()) if gated else (None, 0.0)
         self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
             self._read_distinct(moe.distinct_experts)
@@ -433,7 +440,7 @@ class ModelRunner:
                                                  sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
             sample = None if tokens is None else (len(requests), bool(draft_reqs), tokens)
         if gated:
-            for cycle in self._ends.step_ended(start, end, sample):
+            for cycle in self._ends.step_ended(start, ended, end, sample):
                 self.policy.observe_cycle(*cycle)
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
