@@ -208,10 +208,10 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
             captures += 1
         elif getattr(runner, "last_step_eager", False):  # reported: an eager decode step is ~10x a graphed one
             eager += 1
-        if prefill_steps[-1:] != [len(step_ms) - 1] and getattr(runner, "last_draft_width", 0):
+        decode_step = prefill_steps[-1:] != [len(step_ms) - 1]
+        if decode_step and getattr(runner, "last_draft_width", 0):
             widths[runner.last_draft_width] = widths.get(runner.last_draft_width, 0) + 1
         steps += 1
-        decode_step = prefill_steps[-1:] != [len(step_ms) - 1]
         full = decode_step and len(work) == len(prompts)
         if full:
             full_steps.add(len(step_ms) - 1)
@@ -294,11 +294,11 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["latency_coefs"] = dataclasses.asdict(policy.latency.coefs)
     if policy.gate is not None:
         row["speculative_step_share"] = policy.gate.speculative_share()
-        # per batch-size bucket: [speculative, plain] output tokens per ms per request, the samples the bucket
-        # measured itself (inherited ones not counted) and the side it holds (True: speculation; None: none yet)
+        # per batch-size bucket: [speculative, plain] output tokens per ms per request and the samples the bucket
+        # measured itself (inherited ones not counted)
         gate = policy.gate
         row["gate_rates"] = {b: [gate.rate.get((b, s)) for s in (True, False)] +
-                             [gate.own.get((b, s), 0) for s in (True, False)] + [gate.verdict.get(b)]
+                             [gate.own.get((b, s), 0) for s in (True, False)]
                              for b in sorted({b for b, _ in gate.rate})}
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
     if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'

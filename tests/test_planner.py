@@ -466,10 +466,11 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
 
-def test_speculation_gate_returns_to_speculation_only_by_a_margin():
-    """With a SWITCH_MARGIN, a bucket holding plain decoding goes back to speculation only where speculation's
-    rate beats plain's by it (its first drafted step pays the drafter's catch-up); one holding speculation keeps it
-    while its rate is at least plain's. With none (the default), the faster side wins at once."""
+def test_speculation_gate_switches_sides_as_their_rates_cross():
+    """A bucket on plain decoding goes back to speculation once speculation's measured rate (fed by its probes)
+    is ahead, even by 5% (a 10% margin was measured and removed); one on speculation keeps it while its rate is
+    at least plain's and leaves it once plain is faster; a bucket met for the first time follows its neighbour's
+    rates."""
     from workers.policy import SpeculationGate
 
     def run(gate: SpeculationGate, spec_rate: float, steps: int) -> list[bool]:
@@ -481,25 +482,14 @@ def test_speculation_gate_returns_to_speculation_only_by_a_margin():
         return out
 
     gate = SpeculationGate()
-    gate.SWITCH_MARGIN = 0.1  # (0 by default: measured no gain)
-    run(gate, 0.09, 40)  # speculation slower: the bucket holds plain decoding
-    assert gate.verdict[16] is False
-    tail = run(gate, 0.105, 100)[20:]  # 5% ahead now: under the margin, plain is held (probes aside)
+    tail = run(gate, 0.09, 60)[20:]  # speculation slower: plain decoding (probes aside)
     assert sum(tail) <= len(tail) / SpeculationGate.PROBE + 1, sum(tail)
-    tail = run(gate, 0.115, 200)[100:]  # 15% ahead: speculation again once its probes have measured it
-    assert sum(tail) >= len(tail) - len(tail) / SpeculationGate.PROBE - 1 and gate.verdict[16] is True
-    # held speculation is kept while its rate is at least plain's, and left once plain is faster
-    assert sum(run(gate, 0.102, 60)[10:]) >= 50 - 50 / SpeculationGate.PROBE - 1
-    assert sum(run(gate, 0.09, 60)[20:]) <= 40 / SpeculationGate.PROBE + 1
-    # a bucket met for the first time takes its neighbour's side with its rates: holding plain, 5% ahead is not
-    # enough to speculate there either
-    run(gate, 0.09, 40)
-    gate.rate[(16, True)] = 0.105  # 5% ahead of plain's 0.1, under the margin: bucket 16 holds plain
-    assert gate.should_draft(12) is False and gate.verdict[16] is False
-    assert [gate.should_draft(6) for _ in range(5)] == [False] * 5 and gate.verdict[8] is False
-    plain_held = SpeculationGate()  # the default: 5% ahead is enough to go back
-    run(plain_held, 0.09, 40)
-    assert sum(run(plain_held, 0.105, 140)[100:]) >= 40 - 40 / SpeculationGate.PROBE - 1  # once probes saw it
+    tail = run(gate, 0.105, 140)[100:]  # 5% ahead now: speculation again once its probes have measured it
+    assert sum(tail) >= len(tail) - len(tail) / SpeculationGate.PROBE - 1, sum(tail)
+    assert sum(run(gate, 0.102, 60)[10:]) >= 50 - 50 / SpeculationGate.PROBE - 1  # kept while at least plain's
+    assert sum(run(gate, 0.09, 60)[20:]) <= 40 / SpeculationGate.PROBE + 1  # left once plain is faster
+    gate.rate[(16, True)] = 0.105  # bucket 8, met now, starts from bucket 16's rates: speculation ahead
+    assert [gate.should_draft(6) for _ in range(5)] == [True] * 5 and 8 in gate.inherited
 
 
 def test_step_ends_charge_each_step_its_queued_device_work():

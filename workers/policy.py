@@ -131,18 +131,12 @@ class SpeculationGate:
       as measured); its first own sample of either side rescales the other side by the same factor, so the
       ratio between the sides carries over, not the neighbour's per-request scale. Far-probe spacing waits until
       the bucket has measured both sides itself.
-    A bucket on plain decoding goes back to speculation only where speculation's rate beats plain's by
-    SWITCH_MARGIN (an inherited bucket takes its neighbour's side): the first drafted step after plain ones pays the
-    drafter's catch-up on the tokens it did not draft, which the rate, led by the cheap steps of a speculative run,
-    hardly sees (c=64 / 0.5 on the H200, dce2f83: the gate put speculation 11% ahead, its drafted steps took 30.3
-    ms on average against a median of 26.1, and the cell ran at 0.94-0.97x ar with 27-40% of its steps drafted).
-    While a bucket holds plain decoding its speculative rate comes from probes only, each of which pays that
-    catch-up. Measured at 0.1 (c7dea79, 06d7c05): no gain at c=64/0.5 (0.975-0.978x ar against 0.94-1.00
-    without), and plain held at c=1/0.5 for 25% of the steps where speculation led by 16% (1.07x ar against
-    1.10-1.13): 0 by default."""
+    The first drafted step after plain ones pays the drafter's catch-up on the tokens it did not draft, which the
+    rate, led by the cheap steps of a speculative run, hardly sees (c=64 / 0.5, dce2f83). A 10% margin before a
+    bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed: no gain at
+    c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16% (bench/NOTES.md)."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
-    SWITCH_MARGIN = 0.0
 
     def __init__(self) -> None:
         # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
@@ -153,7 +147,6 @@ class SpeculationGate:
         self.inherited: set[int] = set()  # buckets whose rates are a neighbour's, not yet sampled themselves
         self.own: dict[tuple[int, bool], int] = {}  # samples measured in the bucket itself (not inherited)
         self.decisions = [0, 0]  # steps decided plain, speculative
-        self.verdict: dict[int, bool] = {}  # per bucket: the side it holds (probes aside), True: speculation
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -173,8 +166,6 @@ class SpeculationGate:
         for side in (True, False):
             self.rate[(b, side)] = self.rate[(near, side)]
             self.samples[(b, side)] = self.MIN_SAMPLES
-        if near in self.verdict:  # and the side it holds (the switch margin applies to it alike)
-            self.verdict[b] = self.verdict[near]
         self.inherited.add(b)
 
     def should_draft(self, batch_size: int, plain_hint: float | None = None) -> bool:
@@ -190,8 +181,7 @@ class SpeculationGate:
         else:
             self.asked[b] = self.asked.get(b, 0) + 1
             spec, plain = self.rate[(b, True)], self.rate[(b, False)]
-            spec_wins = spec >= plain * (1.0 + self.SWITCH_MARGIN if self.verdict.get(b) is False else 1.0)
-            self.verdict[b] = spec_wins
+            spec_wins = spec >= plain
             # a clear loser is probed FAR_PROBE times less often, once this bucket has measured both sides itself
             far = (min(spec, plain) < self.FAR * max(spec, plain) or (spec_wins and ahead)) and \
                 all(self.own.get((b, side), 0) for side in (True, False))
