@@ -224,6 +224,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                 done_s[r.request_id] = now
                 runner.release([r.request_id])
     wall = time.perf_counter() - start
+    if hasattr(runner, "flush_learning"):
+        runner.flush_learning()  # the last step's learning, deferred to a next step that does not come
     tpot = [(done_s[r.request_id] - first_token_s[r.request_id]) * 1e3 / max(1, len(r.output_ids) - 1) for r in reqs]
     assert memory.stats()["used_pages"] == 0 and memory.stats()["used_slots"] == 0
     pre = set(prefill_steps)

@@ -457,11 +457,18 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     for _ in range(40):
         draft = gate.should_draft(16)
         gate.observe(16, draft, 24 if draft else 16, 20.0 if draft else 10.0)  # plain wins at 16
-    first = [gate.should_draft(8) for _ in range(4)]
-    assert first == [False] * 4 and 8 in gate.inherited
-    gate.observe(8, False, 8, 5.0)  # its own plain rate: 0.2 per request (the neighbour's: 0.1)
+    first = [gate.should_draft(32) for _ in range(4)]  # a larger batch takes plain decoding's lead
+    assert first == [False] * 4 and 32 in gate.inherited
+    gate.observe(32, False, 32, 16.0)  # its own plain rate: 0.0625 per request (the neighbour's: 0.1)
+    assert 32 not in gate.inherited
+    assert gate.rate[(32, False)] == pytest.approx(0.0625) and gate.rate[(32, True)] == pytest.approx(0.046875)
+    # a smaller batch (a closed batch's tail) takes speculation's lead at least: here the sides tie, it drafts
+    assert [gate.should_draft(8) for _ in range(3)] == [True] * 3 and 8 in gate.inherited
+    gate.observe(8, True, 12, 10.0)  # its own speculative rate: 0.15 per request; plain's rescaled to the tie
     assert 8 not in gate.inherited
-    assert gate.rate[(8, False)] == pytest.approx(0.2) and gate.rate[(8, True)] == pytest.approx(0.15)
+    assert gate.rate[(8, True)] == pytest.approx(0.15) and gate.rate[(8, False)] == pytest.approx(0.15)
+    gate.observe(8, False, 8, 4.0)  # then plain decoding measured faster (0.25 per request): it takes over
+    assert not gate.should_draft(8)
     # only from an adjacent bucket: batch size 1 measures its own sides (speculation first)
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
@@ -621,6 +628,72 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     ends = runner._ends
     runner.use_policy(runner.policy)  # a policy (kept or new): its gate's cycles start afresh
     assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []
+
+
+def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
+    """On CUDA a step's learning (policy.observe) waits for the next step's forward launch, so the host learns
+    while the device runs it (runner.defer_learning; forced on here on CPU): step j's observation is learned
+    inside step j + 1 after its forward, the last one when serve() flushes; the tokens are the greedy ones, and
+    the policy learns every step once, as undeferred."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    from e2e import drafter_model, serve, tiny_config
+
+    from workers.bench_model import build_bench_model
+    from workers.cache import ModelCache
+    from workers.drafters import DraftModelDrafter, ReplayDrafter
+    from workers.runner import ModelRunner
+
+    torch.manual_seed(0)
+    model = build_bench_model(config=tiny_config(), dtype=torch.float32, device="cpu", decisive=True)
+    cfg, page_size, conc, new = model.config, 16, 2, 24
+    num_pages = conc * -(-(16 + new + 20) // page_size)
+    runner = ModelRunner(model, ModelCache(cfg, num_pages + 1, page_size, conc + 1, torch.float32, "cpu"))
+    assert runner.defer_learning is False  # CPU default: the forward is synchronous, nothing to overlap
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(conc)]
+    greedy = serve(runner, prompts, new, 0, page_size, num_pages, "ar").tokens
+    cost = DraftModelDrafter(drafter_model(cfg, 1, torch.float32, "cpu"), num_pages, page_size, conc)
+    forwards = {"n": 0}
+    model_forward = model.forward
+
+    def counted_forward(*args, **kwargs):
+        forwards["n"] += 1
+        return model_forward(*args, **kwargs)
+    model.forward = counted_forward
+    for defer in (False, True):
+        replay = ReplayDrafter(0.7, cfg.vocab_size, seed=3, cost_model=cost)
+        for p, cont in zip(prompts, greedy):
+            replay.set_reference(p, cont + [0] * 20)
+        runner.drafter = replay
+        runner.set_policy("hybridspec", 8)
+        runner.defer_learning = defer
+        policy, execute, learned, steps = runner.policy, runner.execute, [], {"n": 0}
+        observe = policy.observe
+
+        def spy_observe(drafter, obs, counts):
+            learned.append((steps["n"], forwards["n"]))  # (steps started, target forwards run) when learned
+            observe(drafter, obs, counts)
+
+        def spy_execute(requests):
+            steps["n"] += 1
+            return execute(requests)
+        policy.observe, runner.execute = spy_observe, spy_execute
+        forwards["n"] = 0
+        res = serve(runner, prompts, new, 8, page_size, num_pages, "hybridspec", keep_policy=True)
+        del runner.execute
+        assert res.tokens == greedy
+        n = steps["n"]
+        assert len(learned) == n and policy.steps == n  # every step learned once
+        if defer:  # step j's learning inside step j + 1, after that step's forward; the last one at the flush
+            assert [s for s, _ in learned] == list(range(2, n + 1)) + [n]
+            assert all(f == s for s, f in learned)  # after the forward of the step it ran in
+        else:
+            assert [s for s, _ in learned] == list(range(1, n + 1))
+        assert runner._learning is None
 
 
 def test_speculation_gate_is_off_under_expert_parallelism():

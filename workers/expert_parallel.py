@@ -421,6 +421,7 @@ def _observe_slowest(runner: Any) -> None:
     """Makes the runner's latency model observe the slowest rank's forward time: its policy's `observe` (called
     once per non-empty step, after the forward) all-reduces (max) the measured time first. Idempotent; re-applied
     after `set_policy` replaced the policy."""
+    runner.defer_learning = False  # the learning's all-reduce stays in this step on every rank
     policy = runner.policy
     if getattr(policy, "_observes_slowest", False):
         return

@@ -130,7 +130,11 @@ class SpeculationGate:
     - a bucket met for the first time starts from an adjacent measured bucket's verdict (its two rates, counted
       as measured); its first own sample of either side rescales the other side by the same factor, so the
       ratio between the sides carries over, not the neighbour's per-request scale. Far-probe spacing waits until
-      the bucket has measured both sides itself.
+      the bucket has measured both sides itself. From a larger neighbour the verdict is speculation's at least
+      (the rates tie where plain decoding led): a step's cost rises less per token at smaller batches, so
+      speculation's lead does not shrink as the batch does. The buckets a closed batch's tail meets (requests
+      leaving one by one, a few steps each) took the full batch's plain verdict and never probed speculation:
+      at c=16 / 0.5 (8c8e258) buckets 1-8 decoded plain while c=1 and c=4 measure speculation 1.14x ar.
     The first drafted step after plain ones pays the drafter's catch-up on the tokens it did not draft, which the
     rate, led by the cheap steps of a speculative run, hardly sees (c=64 / 0.5, dce2f83). A 10% margin before a
     bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed: no gain at
@@ -166,6 +170,8 @@ class SpeculationGate:
         for side in (True, False):
             self.rate[(b, side)] = self.rate[(near, side)]
             self.samples[(b, side)] = self.MIN_SAMPLES
+        if near > b:  # a smaller batch than the neighbour's: speculation's lead is at least the neighbour's
+            self.rate[(b, True)] = max(self.rate[(b, True)], self.rate[(b, False)])
         self.inherited.add(b)
 
     def should_draft(self, batch_size: int, plain_hint: float | None = None) -> bool:
@@ -212,8 +218,9 @@ class SpeculationGate:
 class DeviceReadback:
     """Device values on their way to the host without a sync: an async copy into pinned memory of its own (the
     caching host allocator reuses a block only after the copies that used it have completed) and the event after
-    it. values() waits for the event; the policy calls it at the next step's plan (after that step's drafter has
-    read its tokens back) or observation (after its forward), when the copy is done."""
+    it. values() waits for the event; the policy calls it once ready() (runner: after the next step's forward launch,
+    where learning is deferred), else at the next step's plan (after that step's drafter has read its tokens back)
+    or observation (after its forward), when the copy is done."""
 
     def __init__(self, values: torch.Tensor):
         self.host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=values.is_cuda)
@@ -221,6 +228,10 @@ class DeviceReadback:
         self.event = torch.cuda.Event() if values.is_cuda else None
         if self.event is not None:
             self.event.record()
+
+    def ready(self) -> bool:
+        """Whether values() would not wait."""
+        return self.event is None or self.event.query()
 
     def values(self) -> list[int]:
         if self.event is not None:
@@ -590,7 +601,19 @@ class LengthPolicy:
             self._distinct = distinct_by_tokens_device(touch, size).cpu().tolist()
         return self._distinct
 
-    def observe(self, drafter: str | None, obs: StepObservation, expert_counts: list[torch.Tensor] | None) -> None:
+    def keep_counts(self, expert_counts: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """A step's per-expert counts (per MoE layer, [E] each; a verification step's), kept as one [MoE layers, E]
+        copy where routing statistics sample this step (every COUNTS_SAMPLE_EVERY-th step that carries counts),
+        else None. Called at the step: graph outputs are overwritten by the next replay."""
+        if not expert_counts:
+            return None
+        self._counted_steps += 1  # steps that carry counts (verification steps; plain graphs collect none)
+        return torch.stack(expert_counts) if self._counted_steps % COUNTS_SAMPLE_EVERY == 1 else None
+
+    def observe(self, drafter: str | None, obs: StepObservation,
+                expert_counts: list[torch.Tensor] | torch.Tensor | None) -> None:
+        """A step's forward time, verified drafts and routing counts (a list per MoE layer, or what keep_counts
+        kept of them at the step)."""
         self._settle()
         self.steps += 1
         if isinstance(obs.distinct_experts, DeviceReadback):
@@ -601,10 +624,8 @@ class LengthPolicy:
             self.calibrator.observe_step(drafter, obs.verified)
         # routing popularity, sampled every COUNTS_SAMPLE_EVERY-th step: summed on the device, folded in every
         # COUNTS_FOLD_EVERY samples
-        if expert_counts:
-            self._counted_steps += 1  # steps that carry counts (verification steps; plain graphs collect none)
-        if expert_counts and self._counted_steps % COUNTS_SAMPLE_EVERY == 1:
-            stacked = torch.stack(expert_counts)  # [MoE layers, E] (a copy: graph outputs are overwritten)
+        stacked = expert_counts if isinstance(expert_counts, torch.Tensor) else self.keep_counts(expert_counts)
+        if stacked is not None:  # [MoE layers, E]
             if self._pending_counts is None:
                 self._pending_counts, self._pending_steps = stacked, 0
             else:
@@ -614,6 +635,11 @@ class LengthPolicy:
                 self.estimator.observe_counts(self._pending_counts.float().cpu().tolist())
                 self._pending_counts = None
                 self._distinct = None  # recomputed from the new routing statistics at the next plan
+
+    def settle_ready(self) -> None:
+        """Learns the step time still on its way to the host if it has arrived (never waits)."""
+        if self._unsettled is not None and self._unsettled.distinct_experts.ready():
+            self._settle()
 
     def _settle(self) -> None:
         """Learns the step time whose distinct experts were still on their way to the host."""

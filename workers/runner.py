@@ -48,6 +48,10 @@ class _ForwardTimer:
         return (self.t1 - self.t0) * 1e3
 
 
+# CUDA: a step's learning (latency model, calibration, routing statistics) runs while the next step's forward is
+# on the device, off the host's critical path (the runner's defer_learning; never under expert parallelism, where
+# the learning is a collective)
+DEFER_LEARNING = True
 MAX_GRAPH_SETS = 3  # graph sets kept (each holds its buckets' graphs and a shared [max tokens, V] output)
 POLICY_STATS_EVERY = 16  # steps between reports of the latency model's and the calibration's errors
 DRAFT_SEED_SALT = 0x5DEECE66D  # a request's draft stream is seeded from its seed, apart from its sampling stream
@@ -149,6 +153,9 @@ class ModelRunner:
         self._graph_capture = True
         self._steps = 0
         self._graphs: OrderedDict[tuple, StepGraphs] = OrderedDict()  # per (policy flags, drafter needs), LRU
+        # a step's policy.observe waits for the next step's forward launch (see DEFER_LEARNING)
+        self.defer_learning = DEFER_LEARNING and self.device.type == "cuda"
+        self._learning: tuple | None = None  # (policy, drafter name, observation, kept counts) not learned yet
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
@@ -157,6 +164,7 @@ class ModelRunner:
     def use_policy(self, policy: LengthPolicy) -> None:
         """Runs the next steps under `policy` (a new one, or one kept from earlier runs); the gate's cycles start
         afresh (no cycle of the last policy's steps reaches this one's gate)."""
+        self.flush_learning()
         self.policy = policy
         self._ends = _StepEnds(self.device)
 
@@ -379,6 +387,7 @@ class ModelRunner:
                              return_hidden=getattr(self.drafter, "needs_hidden", False), moe=moe)
             logits, hidden = out if isinstance(out, tuple) else (out, None)
         timer.stop()
+        self.flush_learning()  # the previous step's, deferred: the host learns while the device runs this forward
         # 3. the router correction's verdict on each extra token: a masked one is not verified
         if extra and moe is not None and moe.token_mask is not None:
             kept = moe.token_mask.tolist()
@@ -429,11 +438,16 @@ class ModelRunner:
         # must not land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
         end, ended = (self._ends.mark(), self._ends.clock()) if gated else (None, 0.0)
-        self.policy.observe(self.drafter.name if self.drafter is not None else None, StepObservation(
+        # what the learning reads of the device is copied now (the next replay overwrites graph outputs); the
+        # learning itself waits for the next step's forward launch where deferred
+        learning = (self.policy, self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
             self._read_distinct(moe.distinct_experts)
             if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
-            verified), moe.expert_counts if learns_experts and moe is not None else None)
+            verified), self.policy.keep_counts(moe.expert_counts) if learns_experts and moe is not None else None)
+        self._learning = learning
+        if not self.defer_learning:
+            self.flush_learning()
         sample = None
         if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
             tokens = self.policy.observe_outcome(len(requests), bool(draft_reqs),
@@ -449,6 +463,15 @@ class ModelRunner:
             self._ends.resumed()
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
+
+    def flush_learning(self) -> None:
+        """Learns the last step now if its learning was deferred (before reading or replacing the policy)."""
+        pending, self._learning = getattr(self, "_learning", None), None
+        if pending is not None:
+            policy, drafter, obs, counts = pending
+            policy.observe(drafter, obs, counts)
+            if self.defer_learning:  # its distinct experts too, if on the host already (else at the next plan)
+                policy.settle_ready()
 
     def _read_distinct(self, distinct: list[torch.Tensor]) -> "list[int] | DeviceReadback":
         """The step's distinct experts per MoE layer for the latency model. On CUDA an async copy to the host that
