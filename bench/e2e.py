@@ -373,8 +373,9 @@ def main() -> None:
     ap.add_argument("--acceptance", default="0.5,0.7,0.85,0.95")
     ap.add_argument("--policies", default="fixed2,fixed4,fixed8,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--cell-tokens", type=int, default=2048,
+    ap.add_argument("--max-new", type=int, default=256,
+                    help="output tokens per request (docs/benchmarking.md: 256)")
+    ap.add_argument("--cell-tokens", type=int, default=1024,
                     help="at least this many output tokens per cell: requests get max(max-new, cell-tokens / c)")
     ap.add_argument("--warm-new", type=int, default=32, help="tokens of the warm-up run before each measured run")
     ap.add_argument("--drafter-layers", type=int, default=2)
