@@ -1,10 +1,12 @@
 """The GPU-session bench scripts run end to end in their --tiny CPU mode (a broken script would waste device
 time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
-time per part) and bench/verify_overhead.py (hybridspec's verification graphs vs budget's)."""
+time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's) and bench/moe_tiles.py (the
+MoE's tile candidates, each checked against the reference)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +118,13 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", *bad, "--out", str(tmp_path)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and ("--policies" in out.stderr or "--repeats" in out.stderr), out.stderr
+
+
+def test_moe_tiles_tiny_checks_every_candidate_against_the_reference(tmp_path):
+    """Every tile candidate bench/moe_tiles.py times on the GPU compiles and equals fused_moe_ref (interpreter)."""
+    from bench.moe_tiles import candidates
+
+    subprocess.run([sys.executable, str(ROOT / "bench" / "moe_tiles.py"), "--tiny", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    errors = json.loads((tmp_path / "moe_tiles.json").read_text())["tiny_errors"]
+    assert len(errors) == 2 * len(candidates()) and max(errors.values()) < 1e-4
