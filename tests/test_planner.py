@@ -676,9 +676,9 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
         policy, execute, learned, steps = runner.policy, runner.execute, [], {"n": 0}
         observe = policy.observe
 
-        def spy_observe(drafter, obs, counts):
+        def spy_observe(drafter, obs, counts, fold=True):
             learned.append((steps["n"], forwards["n"]))  # (steps started, target forwards run) when learned
-            observe(drafter, obs, counts)
+            observe(drafter, obs, counts, fold)
 
         def spy_execute(requests):
             steps["n"] += 1
@@ -696,22 +696,37 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
         else:
             assert [s for s, _ in learned] == list(range(1, n + 1))
         assert runner._learning is None
+    # a policy replaced while a step's learning is pending: the learning goes to the policy that ran the step
+    from workers.policy import StepObservation
+
+    old = runner.policy
+    before = old.steps
+    runner._learning = (old, "replay", StepObservation([1], [40], 3.0, None), None)  # as a deferred step leaves it
+    runner.set_policy("budget", 8)
+    assert old.steps == before + 1 and runner.policy.steps == 0 and runner._learning is None
 
 
 def test_speculation_gate_is_off_under_expert_parallelism():
     """Under EP a rank's whole step includes waiting for the other ranks at the exchanges, so the gate could not
     see a plain-decoding win and ranks would decide apart: the EP wiring turns it off (and keeps it off after a
-    new policy is set, as it re-wraps the policy)."""
+    new policy is set, as it re-wraps the policy). The learning is never deferred there (it all-reduces): one
+    left pending by a step before EP is learned first, locally."""
     from types import SimpleNamespace
 
     from workers.expert_parallel import _observe_slowest
     from workers.policy import LengthPolicy
 
     cfg = _moe_config(num_experts=8, top_k=2)
-    runner = SimpleNamespace(policy=LengthPolicy("hybridspec", cfg), device=torch.device("cpu"))
+    flushed = []
+    runner = SimpleNamespace(policy=LengthPolicy("hybridspec", cfg), device=torch.device("cpu"), defer_learning=True,
+                             flush_learning=lambda: flushed.append(runner.policy.observe))
     assert runner.policy.gate is not None
+    observe = runner.policy.observe
     _observe_slowest(runner)
     assert runner.policy.gate is None and runner.policy.should_draft([3, 4])
+    assert flushed == [observe] and runner.defer_learning is False  # flushed once, before the observe was wrapped
+    _observe_slowest(runner)
+    assert len(flushed) == 1
 
 
 def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
@@ -779,9 +794,14 @@ def test_routing_counts_are_sampled_from_the_steps_that_carry_them():
         policy.observe(None, obs, [])  # a plain step in between: no counts, no sample
     assert policy.estimator.counts[0][0] == 0.0  # one sample short of a fold
     assert policy._pending_steps == COUNTS_FOLD_EVERY - 1
-    policy.observe(None, obs, hot)
+    kept = policy.keep_counts(hot)  # as the runner keeps them at the step (the COUNTS_SAMPLE_EVERY-th: a copy)
+    assert kept is not None and kept.shape == (layers, 8)
+    policy.observe(None, obs, kept, fold=False)  # a deferred learning: the due fold waits for fold_counts()
+    assert policy.estimator.counts[0][0] == 0.0 and policy._pending_steps == COUNTS_FOLD_EVERY
+    policy.fold_counts()
     assert policy.estimator.counts[0][0] == 4.0 * COUNTS_FOLD_EVERY and policy._pending_counts is None
     assert policy.estimator.touch_prob_table()[0][0] > before
+    assert policy.keep_counts(hot) is None and policy.keep_counts([]) is None  # not a sampled step; no counts
 
 
 def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():

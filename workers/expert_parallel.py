@@ -421,6 +421,8 @@ def _observe_slowest(runner: Any) -> None:
     """Makes the runner's latency model observe the slowest rank's forward time: its policy's `observe` (called
     once per non-empty step, after the forward) all-reduces (max) the measured time first. Idempotent; re-applied
     after `set_policy` replaced the policy."""
+    if getattr(runner, "defer_learning", False):  # (before the first EP step only: observe not wrapped yet)
+        runner.flush_learning()  # a learning left by a step before EP, learned locally
     runner.defer_learning = False  # the learning's all-reduce stays in this step on every rank
     policy = runner.policy
     if getattr(policy, "_observes_slowest", False):
@@ -431,10 +433,10 @@ def _observe_slowest(runner: Any) -> None:
     policy.gate = None
     observe = policy.observe
 
-    def observe_slowest(drafter, obs, expert_counts):
+    def observe_slowest(drafter, obs, expert_counts, fold=True):
         runner.ep_forward_ms = obs.forward_ms  # this rank's own
         obs.forward_ms = all_reduce_max(obs.forward_ms, runner.device)
-        observe(drafter, obs, expert_counts)
+        observe(drafter, obs, expert_counts, fold)
 
     policy.observe = observe_slowest
     policy._observes_slowest = True

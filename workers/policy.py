@@ -619,9 +619,10 @@ class LengthPolicy:
         return torch.stack(expert_counts) if self._counted_steps % COUNTS_SAMPLE_EVERY == 1 else None
 
     def observe(self, drafter: str | None, obs: StepObservation,
-                expert_counts: list[torch.Tensor] | torch.Tensor | None) -> None:
+                expert_counts: list[torch.Tensor] | torch.Tensor | None, fold: bool = True) -> None:
         """A step's forward time, verified drafts and routing counts (a list per MoE layer, or what keep_counts
-        kept of them at the step)."""
+        kept of them at the step). `fold=False`: a due fold of the summed counts into the routing statistics (a
+        host read that waits for the device, then pure Python over layers x E) waits for fold_counts()."""
         self._settle()
         self.steps += 1
         if isinstance(obs.distinct_experts, DeviceReadback):
@@ -639,10 +640,16 @@ class LengthPolicy:
             else:
                 self._pending_counts.add_(stacked)
             self._pending_steps += 1
-            if self._pending_steps >= COUNTS_FOLD_EVERY:  # one host read + pure Python over layers x E
-                self.estimator.observe_counts(self._pending_counts.float().cpu().tolist())
-                self._pending_counts = None
-                self._distinct = None  # recomputed from the new routing statistics at the next plan
+        if fold:
+            self.fold_counts()
+
+    def fold_counts(self) -> None:
+        """Folds the summed routing counts into the statistics once COUNTS_FOLD_EVERY samples are in (one host
+        read + pure Python over layers x E)."""
+        if self._pending_counts is not None and self._pending_steps >= COUNTS_FOLD_EVERY:
+            self.estimator.observe_counts(self._pending_counts.float().cpu().tolist())
+            self._pending_counts = None
+            self._distinct = None  # recomputed from the new routing statistics at the next plan
 
     def settle_ready(self) -> None:
         """Learns the step time still on its way to the host if it has arrived (never waits)."""

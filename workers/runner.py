@@ -83,9 +83,10 @@ class _StepEnds:
     its learning) to the end of everything the step launched. The host's step time is not that: the commit is
     queued after acceptance has read back, so its device time lands in the next step (at c=64 / 0.5 on the H200,
     ddebf45: plain steps after drafted ones took ~2 ms longer than AR's, and the gate drafted on 46% of the steps
-    where plain decoding was faster). A step's end is marked after its last launch and before its learning (a
-    routing-statistics fold or a refit is no cost of the step's kind); the next cycle starts where the step
-    returns (`resumed`). CUDA: events, each cycle read at a later step's end, once the device has passed it (never
+    where plain decoding was faster). A step's end is marked after its last launch and before its learning's routing-statistics
+    fold (no cost of the step's kind); on CUDA the rest of a step's learning runs inside the next step while its
+    forward is on the device (DEFER_LEARNING: hidden unless it outlasts the forward); the next cycle starts where
+    the step returns (`resumed`). CUDA: events, each cycle read at a later step's end, once the device has passed it (never
     waited for; unread cycles are tried again at later steps, the newest MAX_PENDING kept); CPU: the host clock
     (all of a step's work is done when it returns: the cycle is known at once). A step that starts more than
     max(GAP_MS, its own host time up to its end mark) after the last one returned (the engine had no work for a
@@ -236,6 +237,7 @@ class ModelRunner:
         the spare page and slot: no request's state is touched) and fits the policy's latency model, token-cost
         table and routing statistics from them, so the learned policies plan from the first real step (and the
         graphs of those buckets are captured now, not while serving). Returns what was fitted."""
+        self.flush_learning()  # a served step's learning is not the profile's
         spare_page, spare_slot = self.cache.num_pages - 1, self.cache.num_slots - 1
         page_size = self.cache.page_size
         block = self.policy.max_verify_len + 1
@@ -387,7 +389,10 @@ class ModelRunner:
                              return_hidden=getattr(self.drafter, "needs_hidden", False), moe=moe)
             logits, hidden = out if isinstance(out, tuple) else (out, None)
         timer.stop()
-        self.flush_learning()  # the previous step's, deferred: the host learns while the device runs this forward
+        # the previous step's learning, deferred: the host learns while the device runs this forward (the policy
+        # it belongs to folds its routing counts after this step's end mark, outside any cycle)
+        deferred = self._learning[0] if self._learning is not None else None
+        self.flush_learning(fold=False)
         # 3. the router correction's verdict on each extra token: a masked one is not verified
         if extra and moe is not None and moe.token_mask is not None:
             kept = moe.token_mask.tolist()
@@ -434,8 +439,8 @@ class ModelRunner:
         # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
         # latency model, which plans the graphed decode/verify steps
         forward_ms = None if captured or (graphs is not None and key is None) else timer.elapsed_ms()
-        step_ms = (time.perf_counter() - start) * 1e3  # before the learning below (a routing-statistics fold
-        # must not land in it); so does the end of the gate's cycle
+        step_ms = (time.perf_counter() - start) * 1e3  # before the routing-statistics fold below (it must not
+        # land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
         end, ended = (self._ends.mark(), self._ends.clock()) if gated else (None, 0.0)
         # what the learning reads of the device is copied now (the next replay overwrites graph outputs); the
@@ -445,6 +450,8 @@ class ModelRunner:
             self._read_distinct(moe.distinct_experts)
             if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
             verified), self.policy.keep_counts(moe.expert_counts) if learns_experts and moe is not None else None)
+        if deferred is not None:
+            deferred.fold_counts()
         self._learning = learning
         if not self.defer_learning:
             self.flush_learning()
@@ -464,12 +471,14 @@ class ModelRunner:
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
-    def flush_learning(self) -> None:
-        """Learns the last step now if its learning was deferred (before reading or replacing the policy)."""
+    def flush_learning(self, fold: bool = True) -> None:
+        """Learns the last step now if its learning was deferred (before reading or replacing the policy).
+        `fold=False` (inside a step, while its forward runs): a due fold of the routing counts waits for the
+        step's end mark (it reads the device back and would put its host time in the step's cycle)."""
         pending, self._learning = getattr(self, "_learning", None), None
         if pending is not None:
             policy, drafter, obs, counts = pending
-            policy.observe(drafter, obs, counts)
+            policy.observe(drafter, obs, counts, fold=fold)
             if self.defer_learning:  # its distinct experts too, if on the host already (else at the next plan)
                 policy.settle_ready()
 
