@@ -585,31 +585,39 @@ def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():
     assert LengthPolicy("budget", cfg).observe_outcome(4, True, 6, step_ms=10.0) is None  # no gate
 
 
+def _tiny_served(new: int, conc: int = 2, page_size: int = 16):
+    """The tiny bench model (fp32, CPU) behind the engine's scheduler + a ModelRunner (bench/e2e.py's `serve`),
+    `conc` prompts of 16 tokens and their greedy continuations of `new` tokens. -> (model, runner, prompts,
+    greedy, page_size, num_pages, serve, drafter_model)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from e2e import drafter_model, serve, tiny_config
+
+    from workers.bench_model import build_bench_model
+    from workers.cache import ModelCache
+    from workers.runner import ModelRunner
+
+    torch.manual_seed(0)
+    model = build_bench_model(config=tiny_config(), dtype=torch.float32, device="cpu", decisive=True)
+    num_pages = conc * -(-(16 + new + 20) // page_size)
+    runner = ModelRunner(model, ModelCache(model.config, num_pages + 1, page_size, conc + 1, torch.float32, "cpu"))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (16,), generator=gen).tolist() for _ in range(conc)]
+    greedy = serve(runner, prompts, new, 0, page_size, num_pages, "ar").tokens
+    return model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model
+
+
 def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
     always wrong (and whose forward costs time, as e2e's DFlash-shaped one: a free drafter with plans of length 0
     makes a drafted step cost what a plain one does, and the gate's two sides tie), hybridspec's gate measures
     plain decoding faster and stops drafting except for probes; the output stays the greedy output."""
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "bench"))
-    from e2e import drafter_model, serve, tiny_config
-
-    from workers.bench_model import build_bench_model
-    from workers.cache import ModelCache
     from workers.drafters import DraftModelDrafter, ReplayDrafter
-    from workers.runner import ModelRunner
 
-    torch.manual_seed(0)
-    model = build_bench_model(config=tiny_config(), dtype=torch.float32, device="cpu", decisive=True)
-    cfg, page_size, conc, new = model.config, 16, 2, 80
-    num_pages = conc * -(-(16 + new + 20) // page_size)
-    runner = ModelRunner(model, ModelCache(cfg, num_pages + 1, page_size, conc + 1, torch.float32, "cpu"))
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(conc)]
-    greedy = serve(runner, prompts, new, 0, page_size, num_pages, "ar").tokens
+    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(80)
+    cfg, conc, new = model.config, len(prompts), 80
     cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, conc)
     replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3, cost_model=cost)
     for p, cont in zip(prompts, greedy):
@@ -637,27 +645,11 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
     while the device runs it (runner.defer_learning; forced on here on CPU): step j's observation is learned
     inside step j + 1 after its forward, the last one when serve() flushes; the tokens are the greedy ones, and
     the policy learns every step once, as undeferred."""
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "bench"))
-    from e2e import drafter_model, serve, tiny_config
-
-    from workers.bench_model import build_bench_model
-    from workers.cache import ModelCache
     from workers.drafters import DraftModelDrafter, ReplayDrafter
-    from workers.runner import ModelRunner
 
-    torch.manual_seed(0)
-    model = build_bench_model(config=tiny_config(), dtype=torch.float32, device="cpu", decisive=True)
-    cfg, page_size, conc, new = model.config, 16, 2, 24
-    num_pages = conc * -(-(16 + new + 20) // page_size)
-    runner = ModelRunner(model, ModelCache(cfg, num_pages + 1, page_size, conc + 1, torch.float32, "cpu"))
+    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(24)
+    cfg, conc, new = model.config, len(prompts), 24
     assert runner.defer_learning is False  # CPU default: the forward is synchronous, nothing to overlap
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(conc)]
-    greedy = serve(runner, prompts, new, 0, page_size, num_pages, "ar").tokens
     cost = DraftModelDrafter(drafter_model(cfg, 1, torch.float32, "cpu"), num_pages, page_size, conc)
     forwards = {"n": 0}
     model_forward = model.forward
