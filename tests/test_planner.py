@@ -860,12 +860,15 @@ def test_profile_points_are_rescaled_by_what_served_steps_measure_against_them()
     assert table.cost_ms(4) == pytest.approx(15.0, rel=1e-3)
 
 
-def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
+def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough(monkeypatch):
     """The router correction's extra token is sent while its measured keep rate makes it pay (P(kept) x the
     survival of that draft per marginal ms beats the plan's goodput) and stops where the batch rarely covers its
     experts; without a plan (warm-up) every request below its cap gets one; batches below the EXTRA_FROM bucket
-    never get one."""
+    never get one. (The plan here ends on a graph bucket's top, 48 tokens: the room rule, tested below, is off.)"""
+    import workers.policy as policy_module
     from workers.policy import EXTRA_FROM, LengthPolicy
+
+    monkeypatch.setattr(policy_module, "EXTRA_WITHIN_BUCKET", False)
 
     cfg = _moe_config()
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
@@ -892,11 +895,12 @@ def test_extra_token_goes_where_the_router_correction_keeps_it_often_enough():
     assert lengths[-1] < 8 and small.extra_tokens(lengths, [8, 8]) == set()
 
 
-def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket():
+def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket(monkeypatch):
     """Costs are step-shaped by the graphs' token buckets. Extra tokens that fit under the bucket's top cost little
     and are sent (best gains first); the ones that would carry the step past it pay the jump together, and are sent
     only where their gains together are worth it (before, each extra was priced alone at the slope where the plan
     ended, and a plan a few tokens under a bucket's top could send enough of them to land in the next bucket)."""
+    import workers.policy as policy_module
     from scheduler.latency_model import LatencyCoefs, TokenCostTable
     from scheduler.planner import Plan
     from workers.policy import EXTRA_FROM, LengthPolicy, SlopeFloor
@@ -928,10 +932,16 @@ def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket():
     policy.extra_keep[16] = (2.0, 2.0)
     policy._last_plan = (survival, cost, Plan(lengths2, b * 3.0, 12.0), base)
     assert policy.extra_tokens(lengths2, [8] * b) == {b - 1}
-    # a cheap jump (no bucket step) and good gains: every candidate
+    # a cost without a bucket step and good gains: still no more than the bucket's room (EXTRA_WITHIN_BUCKET: the
+    # measured forward table missed the whole step's jump, bench/NOTES.md), best gains first
     flat = SlopeFloor(TokenCostTable([16, 96], [10.0, 10.2]), 0.002)
     policy._last_plan = (survival, flat, plan, base)
+    sent = policy.extra_tokens(lengths, [8] * b)
+    assert len(sent) == 64 - total and b - 1 in sent
+    policy._last_plan = (survival, flat, plan, base)
+    monkeypatch.setattr(policy_module, "EXTRA_WITHIN_BUCKET", False)  # without the rule: every candidate
     assert policy.extra_tokens(lengths, [8] * b) == set(range(b))
+    monkeypatch.setattr(policy_module, "EXTRA_WITHIN_BUCKET", True)
     # gains that never pay for a token: none
     assert extras(keep=(0.0, 100.0)) == set()
 

@@ -27,6 +27,7 @@ from scheduler.latency_model import (DraftCost, ExpertEstimator, LatencyModel, M
 from scheduler.planner import Plan, budget_plan, fixed_lengths, survival_from_acceptance, width_plan
 from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
+from workers.graphs import token_buckets
 
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
@@ -50,6 +51,12 @@ EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 # expert parallelism it applies to each rank's own batch (the coverage is the deployment's): a rank with a few
 # requests sends none even where the deployment would cover them.
 EXTRA_FROM = 8
+# ... and only as many as fit in the graph token bucket the plan's step runs in (they take padding rows, whose dense
+# work the graph does anyway): at c=16/0.7 (c59f101) extras carried the steps from the 96-token bucket into the
+# 128 one, where the whole step cost ~1 ms more than the forward's table said (its jump at 96 was 0.4 ms), and
+# hybridspec ran 1.40x ar against 1.46 without the router correction and the served statistics
+EXTRA_WITHIN_BUCKET = True
+_TOKEN_BUCKETS = token_buckets(1 << 20)  # the graphs' token buckets (below any runner's limit they are these)
 # hybridspec drafts only what it may verify: the drafter's block per request at a batch-size bucket is the
 # DRAFT_QUANTILE of the longest lengths its last DRAFT_WINDOW plans there chose, plus DRAFT_MARGIN (plans that use
 # the margin widen it). It was the longest of the last 32 plans: one long plan then kept every request drafting
@@ -555,7 +562,8 @@ class LengthPolicy:
         ended: a plan a few tokens under a bucket's top could send more extras than fit under it, and the step
         ran in the next bucket; at c=64, 64 x 5 tokens took 15.0 ms in the 384-token bucket against 13.3 for
         64 x 4 in the 256 one, bench/NOTES.md). P(kept) is measured per batch-size bucket (optimistic
-        at first, so it gets measured). Small batches rarely cover a token's experts: below the EXTRA_FROM
+        at first, so it gets measured). At most as many as fit in the graph token bucket the plan's step runs in
+        (EXTRA_WITHIN_BUCKET). Small batches rarely cover a token's experts: below the EXTRA_FROM
         batch-size bucket no extra token is sent (measured 3-5% end to end at c=1), and those buckets' graphs run
         no router correction. Without a plan of this step: every request with L_i < cap_i."""
         if SpeculationGate.bucket(len(lengths)) < EXTRA_FROM:
@@ -576,6 +584,9 @@ class LengthPolicy:
         order = np.argsort(-gains, kind="stable")  # best first (ties: the request order)
         added = self._dense_tokens_ms(cost, total, len(candidates))  # [k + 1] ms of m more tokens, m = 0..k
         goodput = (plan.expected_tokens + np.concatenate(([0.0], np.cumsum(gains[order])))) / (plan.step_ms + added)
+        if EXTRA_WITHIN_BUCKET:  # no more than the plan's graph bucket holds
+            room = next((t for t in _TOKEN_BUCKETS if t >= total), total) - total
+            goodput = goodput[:room + 1]
         m = int(np.argmax(goodput))  # the first of equal goodputs: the fewest tokens
         if self._predicted_ms is not None:  # the step's prediction includes its extra rows' dense work
             self._predicted_ms += float(added[m])
