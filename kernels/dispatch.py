@@ -67,6 +67,15 @@ def conv_commit(x, cu_seqlens, keep_lens, conv_state, slots, max_len):
 # Triton attention uses the host lists only as size hints (results come from the device tensors), and neither
 # MoE nor attention synchronizes with the host, so both can be captured in a CUDA graph.
 
+def router_logits(x, weight):
+    """fp32 router logits x @ weight^T (kernels.moe.router_logits_ref): [N, E] float32."""
+    if use_triton(x):
+        from kernels.moe_triton import router_logits_triton
+        return router_logits_triton(x, weight)
+    from kernels.moe import router_logits_ref
+    return router_logits_ref(x, weight)
+
+
 def route(router_logits, top_k, renormalize, out_dtype=None, bias=None):
     """Softmax top-k routing (kernels.moe.route_ref): (weights [N, k] in out_dtype or the logits' dtype,
     ids [N, k] int64); `bias` [E] is added to the logits first."""

@@ -11,6 +11,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+ROUTER_LOGITS_MAX_N = 64  # tokens up to which the Triton path computes router logits in one kernel
+
+
+def router_logits_ref(x: Tensor, weight: Tensor) -> Tensor:
+    """fp32 router logits: x [N, H] @ weight [E, H]^T -> [N, E] float32 (products of the inputs' values, fp32
+    sums: bf16 logits tie often among hundreds of experts)."""
+    return F.linear(x.float(), weight.float())
+
+
 def route_ref(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
               bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """router_logits [N, E] (+ bias [E], added in the logits' dtype) -> (weights [N, k] in out_dtype, default the

@@ -26,9 +26,65 @@ the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles f
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.moe import ROUTER_LOGITS_MAX_N  # one program column holds every token up to this many
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# router logits for few tokens: fp32 sums of the bf16 products, read straight from the bf16 inputs
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _router_logits_kernel(
+    x_ptr,  # [N, H]
+    w_ptr,  # [E, H]
+    out_ptr,  # [N, E] float32
+    N,
+    E,
+    H,
+    stride_xn,
+    stride_we,
+    BLOCK_N: tl.constexpr,  # >= N (one program covers every token)
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (not tf32)
+):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    n = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kmask = (k0 + k) < H
+        a = tl.load(x_ptr + n[:, None].to(tl.int64) * stride_xn + (k0 + k)[None, :],
+                    mask=(n < N)[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :],
+                    mask=(e < E)[:, None] & kmask[None, :], other=0.0)  # [BE, BK]
+        if IEEE:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)  # bf16 x bf16 products are exact in fp32
+    tl.store(out_ptr + n[:, None].to(tl.int64) * E + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+
+
+def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
+    """kernels.moe.router_logits_ref for N <= ROUTER_LOGITS_MAX_N tokens in one launch: the fp32 copy of x (a
+    kernel per MoE layer) and the fp32 GEMV over an fp32 copy of the router's weights (2 MB a layer) become one
+    kernel reading the bf16 weights (1 MB); 16 experts per program. Larger N: the reference (cuBLAS)."""
+    n, h = x.shape
+    e = weight.shape[0]
+    if n > ROUTER_LOGITS_MAX_N or n == 0:
+        return F.linear(x.float(), weight.float())
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    block_e = 16
+    _router_logits_kernel[(triton.cdiv(e, block_e),)](
+        x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=max(16, triton.next_power_of_2(n)),
+        BLOCK_E=block_e, BLOCK_K=128, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

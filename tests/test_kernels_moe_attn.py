@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
+    "router_logits_1", "router_logits_5", "router_logits_64", "router_logits_65_fallback", "router_logits_strided",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
@@ -73,6 +74,24 @@ def _checks() -> dict:
     torch.manual_seed(0)
     E, K, H, I = 8, 2, 32, 16
     checks = {}
+
+    # ---- router logits (fp32 sums; one kernel up to ROUTER_LOGITS_MAX_N tokens, 16 experts a program)
+    def logits_case(n, strided=False):
+        from kernels.moe import router_logits_ref
+        from kernels.moe_triton import router_logits_triton
+
+        w = torch.randn(40, 200)  # E not a multiple of 16, H not of BLOCK_K
+        x = torch.randn(n, 400)[:, ::2] if strided else torch.randn(n, 200)
+        out = router_logits_triton(x, w)
+        if out.dtype != torch.float32 or out.shape != (n, 40):
+            return f"dtype {out.dtype} / shape {tuple(out.shape)}"
+        return _rel(out, router_logits_ref(x, w))
+
+    checks["router_logits_1"] = lambda: logits_case(1)
+    checks["router_logits_5"] = lambda: logits_case(5)
+    checks["router_logits_64"] = lambda: logits_case(64)
+    checks["router_logits_65_fallback"] = lambda: logits_case(65)
+    checks["router_logits_strided"] = lambda: logits_case(3, strided=True)
 
     # ---- routing
     def route_case(renorm):

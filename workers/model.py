@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import dispatch
-from kernels.moe import router_correction_ref
+from kernels.moe import ROUTER_LOGITS_MAX_N, router_correction_ref
 from workers.batch import ForwardBatch
 from workers.cache import AttentionKV, GDNScratch, GDNState, ModelCache, StepScratch
 from workers.config import FULL_ATTENTION, ModelConfig
@@ -266,8 +266,12 @@ class SparseMoe(nn.Module):
         # fp32 router logits: bf16 ones tie often among hundreds of experts, and a tie broken differently by two
         # kernels sends a token to another expert (the weights are tiny: E x H)
         # (torch.mm(x, w.t(), out_dtype=torch.float32) skips the fp32 copy of x but ran as two cuBLAS kernels of
-        # 12.4 + 5.4 us per layer at B=1 on the H200 against ~4.5 us for copy + fp32 GEMV: bench/NOTES.md, 69c5b6d)
-        logits = F.linear(x.float(), _derived(self, "_gate_f32", self.gate.weight, lambda w: w.float()))  # [N, E]
+        # 12.4 + 5.4 us per layer at B=1 on the H200 against ~4.5 us for copy + fp32 GEMV: bench/NOTES.md, 69c5b6d;
+        # few tokens on the Triton path: one kernel reading the bf16 inputs, kernels.moe_triton.router_logits_triton)
+        if dispatch.use_triton(x) and x.shape[0] <= ROUTER_LOGITS_MAX_N:
+            logits = dispatch.router_logits(x, self.gate.weight)  # [N, E] fp32
+        else:
+            logits = F.linear(x.float(), _derived(self, "_gate_f32", self.gate.weight, lambda w: w.float()))
         return dispatch.route(logits, self.top_k, self.renormalize, x.dtype, self.router_bias)  # bias, cast fused
 
     def forward(self, x: Tensor, ctx: MoEContext | None = None, residual: Tensor | None = None,
