@@ -302,6 +302,10 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["gate_rates"] = {b: [gate.rate.get((b, s)) for s in (True, False)] +
                              [gate.own.get((b, s), 0) for s in (True, False)]
                              for b in sorted({b for b, _ in gate.rate})}
+        # per bucket: output / expected tokens of the drafted steps the gate counted (1: its speculative rate is
+        # the cell's; above or below: the gate's side is pessimistic or optimistic) and their expected tokens
+        row["gate_token_ratio"] = {b: [out / exp if exp else None, exp]
+                                   for b, (out, exp) in sorted(policy.gate_tokens.items())}
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
     if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'
         # longest lengths (width_plan's choices)

@@ -628,6 +628,10 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
     assert gate.own.get((2, True), 0) >= 1 and gate.own.get((2, False), 0) >= 1  # the runner fed it both sides
+    # what the gate's speculative side counted against what those steps output: a drafted step whose drafts are
+    # all rejected outputs one token a request, and the plan expects at least that
+    out, expected = runner.policy.gate_tokens[2]
+    assert expected >= out > 0
     # a step in which anything captured a CUDA graph (here: every step, as counted by captures_total) is no sample
     # of its kind: the gate learns nothing from it
     before = dict(gate.samples)

@@ -300,6 +300,9 @@ class LengthPolicy:
         self.routing_stats = True  # hybridspec: served steps collect routing statistics (ExpertEstimator)
         # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
         self.draft_overhead_ms: dict[int, float] = {}
+        # per batch-size bucket: [output tokens, the plans' expected tokens] of drafted steps the gate counted (a
+        # diagnostic of the gate's speculative side: it counts expected tokens, the cell gets the output ones)
+        self.gate_tokens: dict[int, list[float]] = {}
         # hybridspec plans the drafter's block (width_plan): per batch-size bucket, the drafter's measured ms by
         # rows drafted, and the rest of a drafted step beyond its forward and its drafting (EWMA)
         self.draft_costs: dict[int, DraftCost] = {}
@@ -379,6 +382,10 @@ class LengthPolicy:
             # accepted length of one step is very noisy (0 or many), and a few unlucky samples would keep the gate
             # on plain decoding for many probes
             gate_tokens = self.expected_tokens if drafted and self.expected_tokens is not None else float(tokens)
+            if drafted and self.expected_tokens is not None:
+                tally = self.gate_tokens.setdefault(SpeculationGate.bucket(batch_size), [0.0, 0.0])
+                tally[0] += tokens
+                tally[1] += self.expected_tokens
         self.expected_tokens = None
         if drafted and self._predicted_ms is not None:
             self.plan_errors.append((self._predicted_ms, step_ms))
