@@ -22,6 +22,7 @@ TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
     "router_logits_1", "router_logits_5", "router_logits_64", "router_logits_65_fallback", "router_logits_strided",
+    "router_logits_row_stride",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
@@ -76,12 +77,14 @@ def _checks() -> dict:
     checks = {}
 
     # ---- router logits (fp32 sums; one kernel up to ROUTER_LOGITS_MAX_N tokens, 16 experts a program)
-    def logits_case(n, strided=False):
+    def logits_case(n, strided=False, row_stride=False):
         from kernels.moe import router_logits_ref
         from kernels.moe_triton import router_logits_triton
 
         w = torch.randn(40, 200)  # E not a multiple of 16, H not of BLOCK_K
         x = torch.randn(n, 400)[:, ::2] if strided else torch.randn(n, 200)
+        if row_stride:  # unit inner stride, rows 400 apart: read in place (no copy)
+            x = torch.randn(n, 400)[:, :200]
         out = router_logits_triton(x, w)
         if out.dtype != torch.float32 or out.shape != (n, 40):
             return f"dtype {out.dtype} / shape {tuple(out.shape)}"
@@ -92,6 +95,7 @@ def _checks() -> dict:
     checks["router_logits_64"] = lambda: logits_case(64)
     checks["router_logits_65_fallback"] = lambda: logits_case(65)
     checks["router_logits_strided"] = lambda: logits_case(3, strided=True)
+    checks["router_logits_row_stride"] = lambda: logits_case(7, row_stride=True)
 
     # ---- routing
     def route_case(renorm):

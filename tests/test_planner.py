@@ -931,11 +931,15 @@ def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket(monkeypatch):
     sent = extras()
     assert len(sent) == 64 - total == 64 - 52 and b - 1 in sent  # fills the bucket to its top, best gains first
     assert policy._predicted_ms == pytest.approx(12.0 + cost.cost_ms(64) - cost.cost_ms(total))
-    # the same plan one token short of the top: one extra, not sixteen past it
+    # the same plan one token short of the top: one extra, not sixteen past it; the jump's price decides it even
+    # without the bucket-room rule
     lengths2 = [3] * (b - 1) + [2]  # 16 + 47 = 63
-    policy.extra_keep[16] = (2.0, 2.0)
-    policy._last_plan = (survival, cost, Plan(lengths2, b * 3.0, 12.0), base)
-    assert policy.extra_tokens(lengths2, [8] * b) == {b - 1}
+    for room_rule in (True, False):
+        monkeypatch.setattr(policy_module, "EXTRA_WITHIN_BUCKET", room_rule)
+        policy.extra_keep[16] = (2.0, 2.0)
+        policy._last_plan = (survival, cost, Plan(lengths2, b * 3.0, 12.0), base)
+        assert policy.extra_tokens(lengths2, [8] * b) == {b - 1}
+    monkeypatch.setattr(policy_module, "EXTRA_WITHIN_BUCKET", True)
     # a cost without a bucket step and good gains: still no more than the bucket's room (EXTRA_WITHIN_BUCKET: the
     # measured forward table missed the whole step's jump, bench/NOTES.md), best gains first
     flat = SlopeFloor(TokenCostTable([16, 96], [10.0, 10.2]), 0.002)
