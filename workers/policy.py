@@ -128,10 +128,6 @@ class SpeculationGate:
     (speculative first). A drafted step's tokens are the plan's expected tokens (LengthPolicy.observe_outcome),
     which vary far less from step to step than accepted lengths.
 
-    Where the two rates are within NEAR of each other the loser is probed every NEAR_PROBE-th step instead: at
-    c=1 / 0.5 (ba5b76d) speculation led by 13% on average, but its rate's dips below plain's held plain decoding
-    until the next probe 16 steps later, and 15% of the steps decoded plain.
-
     Two rules keep the exploration cheap (bench/NOTES.md: short runs and the buckets met as requests finish paid
     three plain steps each, and a plain probe every 16 steps cost ~3% where speculation wins 3x):
     - plain decoding is not explored where the speculative rate beats `plain_hint` (the latency model's
@@ -151,7 +147,7 @@ class SpeculationGate:
     bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed: no gain at
     c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16% (bench/NOTES.md)."""
 
-    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE, NEAR, NEAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3, 0.95, 4
+    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
 
     def __init__(self) -> None:
         # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
@@ -202,11 +198,7 @@ class SpeculationGate:
             # a clear loser is probed FAR_PROBE times less often, once this bucket has measured both sides itself
             far = (min(spec, plain) < self.FAR * max(spec, plain) or (spec_wins and ahead)) and \
                 all(self.own.get((b, side), 0) for side in (True, False))
-            # a near tie (the loser within NEAR of the winner) is probed every NEAR_PROBE-th step: such a probe
-            # costs little, and a noisy dip of the leading side is corrected within a few steps
-            near = min(spec, plain) >= self.NEAR * max(spec, plain)
-            period = self.NEAR_PROBE if near else self.PROBE * (self.FAR_PROBE if far else 1)
-            draft = spec_wins != (self.asked[b] % period == 0)
+            draft = spec_wins != (self.asked[b] % (self.PROBE * (self.FAR_PROBE if far else 1)) == 0)
         self.decisions[draft] += 1
         return draft
 
