@@ -79,18 +79,18 @@ class _DraftTimer:
 
 
 class _StepEnds:
-    """hybridspec's gate samples a decode step's whole cycle: from where the step before it handed over (after
-    its learning) to the end of everything the step launched. The host's step time is not that: the commit is
-    queued after acceptance has read back, so its device time lands in the next step (at c=64 / 0.5 on the H200,
-    ddebf45: plain steps after drafted ones took ~2 ms longer than AR's, and the gate drafted on 46% of the steps
-    where plain decoding was faster). A step's end is marked after its last launch and before its learning's routing-statistics
-    fold (no cost of the step's kind); on CUDA the rest of a step's learning runs inside the next step while its
-    forward is on the device (DEFER_LEARNING: hidden unless it outlasts the forward); the next cycle starts where
-    the step returns (`resumed`). CUDA: events, each cycle read at a later step's end, once the device has passed it (never
-    waited for; unread cycles are tried again at later steps, the newest MAX_PENDING kept); CPU: the host clock
-    (all of a step's work is done when it returns: the cycle is known at once). A step that starts more than
-    max(GAP_MS, its own host time up to its end mark) after the last one returned (the engine had no work for a
-    while) gives no sample."""
+    """hybridspec's gate samples a decode step's whole cycle: from where the step before it handed over (after its
+    routing-statistics fold) to the end of everything the step launched. The host's step time is not that: the
+    commit is queued after acceptance has read back, so its device time lands in the next step (at c=64 / 0.5 on the
+    H200, ddebf45: plain steps after drafted ones took ~2 ms longer than AR's, and the gate drafted on 46% of the
+    steps where plain decoding was faster). A step's end is marked after its last launch and before its learning's
+    routing-statistics fold (no cost of the step's kind); on CUDA the rest of a step's learning runs inside the next
+    step while its forward is on the device (DEFER_LEARNING: hidden unless it outlasts the forward); the next cycle
+    starts where the step returns (`resumed`). CUDA: events, each cycle read at a later step's end, once the device
+    has passed it (never waited for; unread cycles are tried again at later steps, the newest MAX_PENDING kept);
+    CPU: the host clock (all of a step's work is done when it returns: the cycle is known at once). A step that
+    starts more than max(GAP_MS, its own host time up to its end mark) after the last one returned (the engine had
+    no work for a while) gives no sample."""
 
     GAP_MS = 5.0
     MAX_PENDING = 4
@@ -475,7 +475,7 @@ class ModelRunner:
         """Learns the last step now if its learning was deferred (before reading or replacing the policy).
         `fold=False` (inside a step, while its forward runs): a due fold of the routing counts waits for the
         step's end mark (it reads the device back and would put its host time in the step's cycle)."""
-        pending, self._learning = getattr(self, "_learning", None), None
+        pending, self._learning = self._learning, None
         if pending is not None:
             policy, drafter, obs, counts = pending
             policy.observe(drafter, obs, counts, fold=fold)
@@ -484,8 +484,8 @@ class ModelRunner:
 
     def _read_distinct(self, distinct: list[torch.Tensor]) -> "list[int] | DeviceReadback":
         """The step's distinct experts per MoE layer for the latency model. On CUDA an async copy to the host that
-        the policy reads at its next plan: a synchronous read here would wait for the commit the GPU is still
-        running (~1 ms a step at c=1, bench/NOTES.md)."""
+        the policy reads once it has arrived (after the next forward launch) or at its next plan: a synchronous read
+        here would wait for the commit the GPU is still running (~1 ms a step at c=1, bench/NOTES.md)."""
         stacked = torch.stack(distinct)  # [MoE layers] (a copy: graph outputs are overwritten by the next replay)
         if self.device.type != "cuda":
             return [int(x) for x in stacked.tolist()]
