@@ -1,6 +1,6 @@
 """End-to-end serving benchmark: policies x concurrency x replay acceptance on the bench model.
 
-One command on the H200 (docs/benchmarking.md):
+One command on the H200 (../shared/docs/benchmarking.md):
     PYTHONPATH=. python bench/e2e.py --layers 40 --out $OUT
 It builds the Qwen3.6-35B-A3B-shaped model (random bf16 weights, Zipf router), runs every request greedily
 without speculation first (the reference continuation, and the `ar` row), then each policy with the `replay`
@@ -378,7 +378,7 @@ def main() -> None:
     ap.add_argument("--policies", default="fixed2,fixed4,fixed8,fixed16,budget,hybridspec")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=256,
-                    help="output tokens per request (docs/benchmarking.md: 256)")
+                    help="output tokens per request (../shared/docs/benchmarking.md: 256)")
     ap.add_argument("--cell-tokens", type=int, default=1024,
                     help="at least this many output tokens per cell: requests get max(max-new, cell-tokens / c)")
     ap.add_argument("--warm-new", type=int, default=32, help="tokens of the warm-up run before each measured run")
