@@ -389,9 +389,8 @@ class ModelRunner:
                              return_hidden=getattr(self.drafter, "needs_hidden", False), moe=moe)
             logits, hidden = out if isinstance(out, tuple) else (out, None)
         timer.stop()
-        # the previous step's learning, deferred: the host learns while the device runs this forward (the policy
-        # it belongs to folds its routing counts after this step's end mark, outside any cycle)
-        deferred = self._learning[0] if self._learning is not None else None
+        # the previous step's learning, deferred: the host learns while the device runs this forward (its policy is
+        # this one: use_policy flushes before a swap; a due fold of its routing counts waits for the end mark)
         self.flush_learning(fold=False)
         # 3. the router correction's verdict on each extra token: a masked one is not verified
         if extra and moe is not None and moe.token_mask is not None:
@@ -450,8 +449,7 @@ class ModelRunner:
             self._read_distinct(moe.distinct_experts)
             if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
             verified), self.policy.keep_counts(moe.expert_counts) if learns_experts and moe is not None else None)
-        if deferred is not None:
-            deferred.fold_counts()
+        self.policy.fold_counts()  # (a no-op unless COUNTS_FOLD_EVERY samples are in)
         self._learning = learning
         if not self.defer_learning:
             self.flush_learning()
