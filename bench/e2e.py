@@ -306,6 +306,14 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         # the cell's; above or below: the gate's side is pessimistic or optimistic) and their expected tokens
         row["gate_token_ratio"] = {b: [out / exp if exp else None, exp]
                                    for b, (out, exp) in sorted(policy.gate_tokens.items())}
+        # per bucket: [speculative, plain] pooled rate over all the bucket's own cycles (sum of tokens per request /
+        # sum of cycle ms: what the cell gets, where the EWMA above is what the gate decided on)
+        row["gate_pooled_rates"] = {b: [tok / ms if ms else None for tok, ms in
+                                        (gate.pooled.get((b, s), (0.0, 0.0)) for s in (True, False))]
+                                    for b in sorted({b for b, _ in gate.pooled})}
+        # mean device ms after a [speculative, plain] step's end mark that no cycle holds, and their counts
+        row["gate_between_ms"] = [[t[0] / t[1] if t[1] else None, t[1]] for t in
+                                  (policy.gate_between.get(s, (0.0, 0)) for s in (True, False))]
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
     if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'
         # longest lengths (width_plan's choices)

@@ -158,6 +158,9 @@ class SpeculationGate:
         self.inherited: set[int] = set()  # buckets whose rates are a neighbour's, not yet sampled themselves
         self.own: dict[tuple[int, bool], int] = {}  # samples measured in the bucket itself (not inherited)
         self.decisions = [0, 0]  # steps decided plain, speculative
+        # a diagnostic: per (bucket, drafted) the sums of output tokens per request and of cycle ms of every sample
+        # (their ratio: the side's pooled rate, beside the EWMA the gate decides on)
+        self.pooled: dict[tuple[int, bool], list[float]] = {}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -217,6 +220,9 @@ class SpeculationGate:
             self.rate[key] = r if key not in self.rate else (1 - self.ALPHA) * self.rate[key] + self.ALPHA * r
         self.samples[key] = self.samples.get(key, 0) + 1
         self.own[key] = self.own.get(key, 0) + 1
+        pooled = self.pooled.setdefault(key, [0.0, 0.0])  # the diagnostic's pooled rate: sums, not an EWMA
+        pooled[0] += tokens / max(1, batch_size)
+        pooled[1] += step_ms
 
     def speculative_share(self) -> float:
         return self.decisions[1] / max(1, sum(self.decisions))
@@ -295,6 +301,9 @@ class LengthPolicy:
         # per batch-size bucket: [output tokens, the plans' expected tokens] of drafted steps the gate counted (a
         # diagnostic of the gate's speculative side: it counts expected tokens, the cell gets the output ones)
         self.gate_tokens: dict[int, list[float]] = {}
+        # a diagnostic of the gate's cycles (the runner's _StepEnds): device ms between a step's end mark and where
+        # the next cycle starts, which no cycle holds, by whether that step drafted: [sum ms, count]
+        self.gate_between: dict[bool, list[float]] = {}
         # hybridspec plans the drafter's block (width_plan): per batch-size bucket, the drafter's measured ms by
         # rows drafted, and the rest of a drafted step beyond its forward and its drafting (EWMA)
         self.draft_costs: dict[int, DraftCost] = {}

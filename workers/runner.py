@@ -94,11 +94,17 @@ class _StepEnds:
 
     GAP_MS = 5.0
     MAX_PENDING = 4
+    CONTIGUOUS = False  # a cycle starts at the previous step's end mark (True) or where it returned (False)
 
     def __init__(self, device: torch.device, clock=time.perf_counter):
         self.cuda, self.clock = device.type == "cuda", clock
         self.resume: tuple | None = None  # (marker, host time) where the last step returned
-        self.pending: list[tuple] = []  # (start marker, end marker, sample) of cycles not read yet, oldest first
+        self.last_end: tuple | None = None  # (end marker, drafted or None) of the last step
+        # (start marker, end marker, sample, (previous end marker, its drafted)) of cycles not read yet, oldest first
+        self.pending: list[tuple] = []
+        # a diagnostic: device ms between a step's end mark and where the next cycle starts (no cycle holds them),
+        # by whether that step drafted: [sum ms, count]
+        self.between: dict[bool, list[float]] = {}
 
     def mark(self):
         """A point in the step's stream of work: a CUDA event recorded now, or the host clock."""
@@ -117,12 +123,20 @@ class _StepEnds:
         """The pending samples whose ends have been reached, as (batch size, drafted, tokens, cycle ms); the
         others stay pending (the newest MAX_PENDING)."""
         done, left = [], []
-        for begin, end, sample in self.pending:
+        for begin, end, sample, before in self.pending:
             ms = self._elapsed_ms(begin, end)
             if ms is None:
-                left.append((begin, end, sample))
-            elif ms > 0:
+                left.append((begin, end, sample, before))
+                continue
+            if ms > 0:
                 done.append((*sample, ms))
+            prev_end, prev_drafted = before
+            if prev_end is not None and prev_drafted is not None and prev_end is not begin:
+                gap = self._elapsed_ms(prev_end, begin)  # reached: begin precedes end
+                if gap is not None:
+                    tally = self.between.setdefault(prev_drafted, [0.0, 0])
+                    tally[0] += gap
+                    tally[1] += 1
         self.pending = left[-self.MAX_PENDING:]
         return done
 
@@ -131,10 +145,14 @@ class _StepEnds:
         `end`: its mark() after its last launch; `sample`: what the gate counts for it, (batch size, drafted,
         tokens), or None (no gate sample). Returns the samples whose cycles are known now, as (batch size,
         drafted, tokens, cycle ms)."""
+        prev_end, prev_drafted = self.last_end if self.last_end is not None else (None, None)
         if sample is not None and self.resume is not None:
             begin, returned = self.resume
             if started - returned <= max(self.GAP_MS / 1e3, ended - started):
-                self.pending.append((begin, end, sample))
+                if self.CONTIGUOUS and prev_end is not None:
+                    begin = prev_end
+                self.pending.append((begin, end, sample, (prev_end, prev_drafted)))
+        self.last_end = (end, sample[1] if sample is not None else None)
         self.resume = None
         return self._resolve()
 
@@ -168,6 +186,7 @@ class ModelRunner:
         self.flush_learning()
         self.policy = policy
         self._ends = _StepEnds(self.device)
+        self._ends.between = policy.gate_between  # the diagnostic accumulates over the policy's runs
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
