@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,6 +312,13 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["gate_pooled_rates"] = {b: [tok / ms if ms else None for tok, ms in
                                         (gate.pooled.get((b, s), (0.0, 0.0)) for s in (True, False))]
                                     for b in sorted({b for b, _ in gate.pooled})}
+        # the gate's recent cycles per bucket and side: [count, ms p10 / p50 / p90, mean tokens per request]
+        cyc: dict[tuple[int, bool], list[tuple[float, float]]] = {}
+        for b, drafted, tok, ms in gate.cycles:
+            cyc.setdefault((b, drafted), []).append((tok, ms))
+        row["gate_cycle_ms"] = {f"{b}{'s' if d else 'p'}": [len(v)] + [
+            float(np.percentile([ms for _, ms in v], q)) for q in (10, 50, 90)] + [sum(t for t, _ in v) / len(v)]
+            for (b, d), v in sorted(cyc.items())}
         # mean device ms after a [speculative, plain] step's end mark that no cycle holds, and their counts
         row["gate_between_ms"] = [[t[0] / t[1] if t[1] else None, t[1]] for t in
                                   (policy.gate_between.get(s, (0.0, 0)) for s in (True, False))]

@@ -429,7 +429,7 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     tail = decisions[20:]
     assert decisions[:6] == [True] * 3 + [False] * 3  # each side measured first, speculation first
     # only the probes draft, and rarely: speculation's rate is 0.75x plain's, a clear loser
-    assert 0 < sum(tail) <= len(tail) / (SpeculationGate.PROBE * SpeculationGate.FAR_PROBE) + 1, sum(tail)
+    assert 0 < sum(tail) <= len(tail) / (SpeculationGate.PROBE * SpeculationGate.MAX_SPACING) + 1, sum(tail)
     assert gate.bucket(12) == 16 and gate.bucket(1) == 1 and gate.bucket(16) == 16
     gate = SpeculationGate()
     for _ in range(200):
@@ -471,6 +471,31 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     assert not gate.should_draft(8)
     # only from an adjacent bucket: batch size 1 measures its own sides (speculation first)
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
+
+
+def test_speculation_gate_rates_are_tokens_over_time_and_probes_spread_with_the_gap():
+    """A side's rate is an EWMA of ms per token, inverted: steps of 10 and 30 ms with one token each give 1/20
+    token per ms after many alternations (an EWMA of the rates would say (1/10 + 1/30) / 2 = 1/15). The losing side
+    is probed PROBE steps apart at a gap of GAP_UNIT or less, farther apart as the gap grows, up to MAX_SPACING x
+    PROBE (and at once where speculation is ahead of the optimistic plain hint); PROBE until the bucket has measured
+    both sides itself."""
+    from workers.policy import SpeculationGate
+
+    gate = SpeculationGate()
+    gate.ALPHA = 0.02  # a long memory: the EWMA's value is about the mean of its samples' ms per token
+    for i in range(2000):
+        gate.observe(1, True, 1.0, 10.0 if i % 2 else 30.0)
+    assert gate.rate[(1, True)] == pytest.approx(1 / 20, rel=0.02)
+    assert gate.pooled[(1, True)] == pytest.approx([2000.0, 40000.0])
+    gate = SpeculationGate()
+    P = SpeculationGate.PROBE
+    assert gate.probe_spacing(4, 1.0, 0.5, False) == P  # neither side measured in the bucket itself
+    gate.own[(4, True)] = gate.own[(4, False)] = 1
+    assert gate.probe_spacing(4, 1.0, 0.97, False) == P
+    assert gate.probe_spacing(4, 1.0, 0.9, False) == 2 * P
+    assert gate.probe_spacing(4, 0.85, 1.0, False) == 3 * P
+    assert gate.probe_spacing(4, 1.0, 0.5, False) == SpeculationGate.MAX_SPACING * P
+    assert gate.probe_spacing(4, 1.0, 0.97, True) == SpeculationGate.MAX_SPACING * P
 
 
 def test_speculation_gate_switches_sides_as_their_rates_cross():

@@ -121,10 +121,10 @@ def nearest_bucket(buckets, b: int) -> int:
 class SpeculationGate:
     """hybridspec speculates only where it pays, measured on whole step cycles (the runner's _StepEnds: drafting,
     verification, acceptance, the commit's device time and the loop between steps, which the latency model's
-    forward times leave out): per batch-size bucket an EWMA of output tokens per ms per request of decode steps
-    with drafts and of plain decode steps. It drafts unless the speculative side is measured slower, and every
-    PROBE-th step it tries the losing side so that a change of acceptance or load is seen (every FAR_PROBE x
-    PROBE-th where the loser is below FAR x the winner's rate). Each side is measured MIN_SAMPLES times first
+    forward times leave out): per batch-size bucket the output tokens per ms per request of decode steps with
+    drafts and of plain decode steps (an EWMA of its inverse). It drafts unless the speculative side is measured
+    slower, and every probe_spacing-th step it tries the losing side so that a change of acceptance or load is
+    seen (PROBE steps apart, more the farther the loser is behind). Each side is measured MIN_SAMPLES times first
     (speculative first). A drafted step's tokens are the plan's expected tokens (LengthPolicy.observe_outcome),
     which vary far less from step to step than accepted lengths.
 
@@ -132,12 +132,12 @@ class SpeculationGate:
     three plain steps each, and a plain probe every 16 steps cost ~3% where speculation wins 3x):
     - plain decoding is not explored where the speculative rate beats `plain_hint` (the latency model's
       forward-only prediction of a plain step: an optimistic plain rate) by HINT_MARGIN, and once both sides are
-      measured such a bucket probes plain only every FAR_PROBE x PROBE-th step (the speculative rate counts
+      measured such a bucket probes plain only every MAX_SPACING x PROBE-th step (the speculative rate counts
       expected tokens, so the probes stay: they catch an optimistic calibration);
     - a bucket met for the first time starts from an adjacent measured bucket's verdict (its two rates, counted
       as measured); its first own sample of either side rescales the other side by the same factor, so the
-      ratio between the sides carries over, not the neighbour's per-request scale. Far-probe spacing waits until
-      the bucket has measured both sides itself. From a larger neighbour the verdict is speculation's at least
+      ratio between the sides carries over, not the neighbour's per-request scale. Wider probe spacing waits
+      until the bucket has measured both sides itself. From a larger neighbour the verdict is speculation's at least
       (the rates tie where plain decoding led): a step's cost rises less per token at smaller batches, so
       speculation's lead does not shrink as the batch does. The buckets a closed batch's tail meets (requests
       leaving one by one, a few steps each) took the full batch's plain verdict and never probed speculation:
@@ -147,7 +147,7 @@ class SpeculationGate:
     bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed: no gain at
     c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16% (bench/NOTES.md)."""
 
-    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, FAR, FAR_PROBE = 16, 0.25, 3, 1.2, 0.8, 3
+    PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, GAP_UNIT, MAX_SPACING = 16, 0.25, 3, 1.2, 0.05, 4
 
     def __init__(self) -> None:
         # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
@@ -161,6 +161,7 @@ class SpeculationGate:
         # a diagnostic: per (bucket, drafted) the sums of output tokens per request and of cycle ms of every sample
         # (their ratio: the side's pooled rate, beside the EWMA the gate decides on)
         self.pooled: dict[tuple[int, bool], list[float]] = {}
+        self.cycles: deque[tuple[int, bool, float, float]] = deque(maxlen=1024)  # recent (b, drafted, tok/req, ms)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -198,12 +199,20 @@ class SpeculationGate:
             self.asked[b] = self.asked.get(b, 0) + 1
             spec, plain = self.rate[(b, True)], self.rate[(b, False)]
             spec_wins = spec >= plain
-            # a clear loser is probed FAR_PROBE times less often, once this bucket has measured both sides itself
-            far = (min(spec, plain) < self.FAR * max(spec, plain) or (spec_wins and ahead)) and \
-                all(self.own.get((b, side), 0) for side in (True, False))
-            draft = spec_wins != (self.asked[b] % (self.PROBE * (self.FAR_PROBE if far else 1)) == 0)
+            draft = spec_wins != (self.asked[b] % self.probe_spacing(b, spec, plain, spec_wins and ahead) == 0)
         self.decisions[draft] += 1
         return draft
+
+    def probe_spacing(self, b: int, spec: float, plain: float, ahead: bool) -> int:
+        """Steps between probes of the losing side: PROBE, times the loser's gap to the winner in GAP_UNITs (a
+        probe costs the step that gap, so a far loser is probed less often: a probe's cost per step stays about
+        PROBE x GAP_UNIT), MAX_SPACING where speculation is ahead of the optimistic plain hint; plain PROBE until
+        the bucket has measured both sides itself (an inherited verdict is checked soon)."""
+        if not all(self.own.get((b, side), 0) for side in (True, False)):
+            return self.PROBE
+        gap = 1.0 - min(spec, plain) / max(spec, plain) if max(spec, plain) > 0 else 0.0
+        factor = self.MAX_SPACING if ahead else min(self.MAX_SPACING, max(1.0, gap / self.GAP_UNIT))
+        return int(round(self.PROBE * factor))
 
     def observe(self, batch_size: int, drafted: bool, tokens: float, step_ms: float) -> None:
         if step_ms <= 0:
@@ -211,13 +220,19 @@ class SpeculationGate:
         b = self.bucket(batch_size)
         key = (b, drafted)
         r = tokens / step_ms / max(1, batch_size)
+        self.cycles.append((b, drafted, tokens / max(1, batch_size), step_ms))
         if b in self.inherited:  # the first own sample: keep the neighbour's ratio, take this bucket's scale
             self.inherited.discard(b)
             other = (b, not drafted)
             self.rate[other] *= r / self.rate[key] if self.rate[key] > 0 else 1.0
             self.rate[key] = r
         else:
-            self.rate[key] = r if key not in self.rate else (1 - self.ALPHA) * self.rate[key] + self.ALPHA * r
+            # an EWMA of ms per token (the rate's inverse): a side's rate is then its tokens over its time, as a
+            # cell's throughput is; an EWMA of the rates themselves is led by the fast steps (at c=64/0.5, efebc90:
+            # 0.087 against a pooled 0.072 for speculation, 0.076 against 0.069 for plain)
+            old_rate = self.rate.get(key)
+            self.rate[key] = r if not old_rate or r <= 0 else \
+                1.0 / ((1 - self.ALPHA) / old_rate + self.ALPHA / r)
         self.samples[key] = self.samples.get(key, 0) + 1
         self.own[key] = self.own.get(key, 0) + 1
         pooled = self.pooled.setdefault(key, [0.0, 0.0])  # the diagnostic's pooled rate: sums, not an EWMA
