@@ -305,6 +305,7 @@ class LengthPolicy:
         self.steps = 0
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
         self._pending_counts: torch.Tensor | None = None  # [MoE layers, E] routed tokens since the last fold
+        self._folding: tuple[DeviceReadback, int] | None = None  # summed counts on their way to the host, E
         self._pending_steps = 0
         self._counted_steps = 0
         self._distinct: list[float] | None = None  # expected distinct experts of n globally routed tokens
@@ -635,11 +636,12 @@ class LengthPolicy:
         self.extra_keep[b] = (EXTRA_KEEP_DECAY * k + kept, EXTRA_KEEP_DECAY * n + sent)
 
     def _distinct_upto(self, n: int) -> list[float]:
-        """Expected distinct experts (summed over MoE layers) of 0..>= n globally routed tokens, recomputed
-        (on the model's device: [n, layers x E]) when the routing statistics fold in or a longer step needs it."""
+        """Expected distinct experts (summed over MoE layers) of 0..>= n globally routed tokens, recomputed when
+        the routing statistics fold in or a longer step needs it. On the host (~2 ms, every COUNTS_FOLD_EVERY x
+        COUNTS_SAMPLE_EVERY steps): on the GPU its torch.unique waited for the device's queued work."""
         if self._distinct is None or len(self._distinct) <= n:
             size = max(n, 2 * len(self._distinct) if self._distinct else 32)
-            touch = torch.tensor(self.estimator.touch_prob_table(), dtype=torch.float64, device=self.device)
+            touch = torch.tensor(self.estimator.touch_prob_table(), dtype=torch.float64)
             self._distinct = distinct_by_tokens_device(touch, size).cpu().tolist()
         return self._distinct
 
@@ -678,12 +680,19 @@ class LengthPolicy:
             self.fold_counts()
 
     def fold_counts(self) -> None:
-        """Folds the summed routing counts into the statistics once COUNTS_FOLD_EVERY samples are in (one host
-        read + pure Python over layers x E)."""
-        if self._pending_counts is not None and self._pending_steps >= COUNTS_FOLD_EVERY:
-            self.estimator.observe_counts(self._pending_counts.float().cpu().tolist())
-            self._pending_counts = None
+        """Folds the summed routing counts into the statistics once COUNTS_FOLD_EVERY samples are in: an async copy
+        to the host (DeviceReadback), folded in (pure Python over layers x E) by a later call once it has arrived,
+        at once on CPU. A synchronous read waited for the device's queued work (the step's commit)."""
+        if self._folding is not None and self._folding[0].ready():
+            (readback, experts), self._folding = self._folding, None
+            flat = readback.values()
+            self.estimator.observe_counts([flat[i:i + experts] for i in range(0, len(flat), experts)])
             self._distinct = None  # recomputed from the new routing statistics at the next plan
+        if self._pending_counts is not None and self._pending_steps >= COUNTS_FOLD_EVERY and self._folding is None:
+            self._folding = (DeviceReadback(self._pending_counts), self._pending_counts.shape[-1])
+            self._pending_counts = None
+            if self._folding[0].ready():
+                self.fold_counts()
 
     def settle_ready(self) -> None:
         """Learns the step time still on its way to the host if it has arrived (never waits)."""
