@@ -1,7 +1,7 @@
 """The GPU-session bench scripts run end to end in their --tiny CPU mode (a broken script would waste device
 time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
-time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's) and bench/moe_tiles.py (the
-MoE's tile candidates, each checked against the reference)."""
+time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the MoE's tile
+candidates, each checked against the reference) and bench/host_phases.py (host time by part without a profiler)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,26 @@ def test_host_profile_tiny_reports_each_policys_parts(tmp_path):
     assert report["policies"]["budget"]["parts_ms_per_step"]["plan: lengths"] > 0
     assert report["policies"]["hybridspec"]["parts_ms_per_step"]["gate: should_draft"] > 0
     assert "== hybridspec" in (tmp_path / "host_profile.txt").read_text()
+
+
+def test_host_phases_tiny_times_each_policys_parts_by_step_kind(tmp_path):
+    out = tmp_path / "phases.json"
+    run_script("host_phases.py", "--phases-out", str(out), "--concurrency", "1", "--prompt-len", "16", "--max-new",
+               "8", "--cell-tokens", "8", "--acceptance", "0.9", "--policies", "budget,hybridspec",
+               "--out", str(tmp_path / "e2e"))
+    table = json.loads(out.read_text())
+    assert table["ar|plain|execute+sync"][1] > 0 and "ar|spec|execute+sync" not in table  # ar never drafts
+    for name in ("budget", "hybridspec"):
+        total, calls, per = table[f"{name}|spec|execute+sync"]
+        assert calls > 0 and per == total / calls
+        assert 0 < table[f"{name}|spec|ReplayDrafter.propose"][2] < per  # a part of the step
+        assert table[f"{name}|spec|lengths"][1] == calls
+    assert table["hybridspec|spec|gate: mark"][1] > 0 and "budget|spec|gate: mark" not in table  # budget: no gate
+    out2 = tmp_path / "plain.json"
+    run_script("host_phases.py", "--phases-out", str(out2), "--force-plain", "--concurrency", "1", "--prompt-len",
+               "16", "--max-new", "8", "--cell-tokens", "8", "--policies", "hybridspec", "--out", str(tmp_path / "p"))
+    forced = json.loads(out2.read_text())
+    assert forced["hybridspec|plain|execute+sync"][1] > 0 and "hybridspec|spec|execute+sync" not in forced
 
 
 def test_verify_overhead_tiny_times_both_graph_sets(tmp_path):

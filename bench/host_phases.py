@@ -1,0 +1,119 @@
+"""Host time by part of a served step, per policy and step kind, without a profiler (issue 7), one command on the H200:
+    PYTHONPATH=. python bench/host_phases.py --phases-out $OUT/phases.json [--force-plain] <bench/e2e.py arguments>
+Runs bench/e2e.py with thin perf_counter wrappers around the runner's parts (ModelRunner.execute and, inside it,
+the graphs' staging and replay, the drafter, the plan, the gate's bookkeeping, the deferred learning) and writes,
+per (policy, plain|spec, part), [total ms, calls, ms per call] of the decode steps that ran 1 or 64 requests
+(`execute+sync` is the step until the device is done, as e2e times it). The wrappers cost ~1 us a call, where
+torch.profiler (bench/step_timeline.py) and cProfile (bench/host_profile.py) inflate every Python call; the means
+include the warm-up run's and the profile's steps (graph captures among them). `--force-plain`: hybridspec's gate
+always answers plain decoding, so its plain steps can be compared with ar's in one cell (bench/NOTES.md,
+2026-11-30 21:00-). `--tiny` (an e2e argument) runs the plumbing on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import bench.e2e as e2e  # noqa: E402
+import workers.drafters as drafters  # noqa: E402
+import workers.graphs as graphs  # noqa: E402
+import workers.policy as policy  # noqa: E402
+import workers.runner as runner  # noqa: E402
+
+# (class, method, label) timed inside a step
+PARTS = ((runner.ModelRunner, "flush_learning", "flush_learning"), (graphs.StepGraphs, "run", "graphs.run"),
+         (graphs.StepGraphs, "_stage", "graphs._stage"), (graphs.StepGraphs, "commit", "graphs.commit"),
+         (policy.LengthPolicy, "should_draft", "should_draft"), (policy.LengthPolicy, "lengths", "lengths"),
+         (policy.LengthPolicy, "extra_tokens", "extra_tokens"), (policy.LengthPolicy, "observe", "observe"),
+         (policy.LengthPolicy, "observe_outcome", "observe_outcome"), (policy.LengthPolicy, "stats", "stats"),
+         (policy.LengthPolicy, "fold_counts", "fold_counts"), (runner._StepEnds, "mark", "gate: mark"),
+         (runner._StepEnds, "step_ended", "gate: step_ended"), (runner._StepEnds, "resumed", "gate: resumed"))
+KINDS_OF_BATCH = (1, 64)  # batch sizes whose steps are reported (the full batch of the usual cells)
+
+
+class Phases:
+    def __init__(self) -> None:
+        self.policy: str | None = None
+        self.step: dict[str, float] = collections.defaultdict(float)  # label -> ms in the current step
+        self.acc: dict[tuple[str | None, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+
+    def wrap(self, owner: type, name: str, label: str) -> None:
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.step[label] += (time.perf_counter() - t) * 1e3
+        setattr(owner, name, timed)
+
+    def install(self) -> None:
+        for owner, name, label in PARTS:
+            self.wrap(owner, name, label)
+        for cls in vars(drafters).values():  # every drafter class's own propose / commit
+            if isinstance(cls, type) and cls.__module__ == drafters.__name__:
+                for name in ("propose", "commit"):
+                    if name in cls.__dict__:
+                        self.wrap(cls, name, f"{cls.__name__}.{name}")
+        execute = runner.ModelRunner.execute
+
+        def timed_execute(run: runner.ModelRunner, requests):
+            self.step.clear()
+            t = time.perf_counter()
+            result = execute(run, requests)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.step["execute+sync"] = (time.perf_counter() - t) * 1e3
+            if len(requests) in KINDS_OF_BATCH:
+                kind = "spec" if getattr(run, "last_draft_width", 0) else "plain"
+                for label, ms in self.step.items():
+                    tally = self.acc[(self.policy, kind, label)]
+                    tally[0] += ms
+                    tally[1] += 1
+            return result
+        runner.ModelRunner.execute = timed_execute
+        serve = e2e.serve
+
+        def labelled_serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy=False):
+            self.policy = name
+            return serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy)
+        e2e.serve = labelled_serve
+
+    def table(self) -> dict[str, list[float]]:
+        return {f"{p}|{k}|{label}": [ms, n, ms / max(1, n)] for (p, k, label), (ms, n) in sorted(
+            self.acc.items(), key=lambda kv: tuple(str(x) for x in kv[0]))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, calls, ms per call]")
+    ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
+    args, rest = ap.parse_known_args()
+    if args.force_plain:
+        policy.SpeculationGate.should_draft = lambda self, batch_size, plain_hint=None: False
+    phases = Phases()
+    phases.install()
+    sys.argv = ["e2e.py"] + rest
+    e2e.main()
+    table = phases.table()
+    Path(args.phases_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.phases_out).write_text(json.dumps(table, indent=1))
+    for key, (ms, n, per) in table.items():
+        print(f"{key}: {per:.3f} ms x {int(n)}")
+
+
+if __name__ == "__main__":
+    main()
