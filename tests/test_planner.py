@@ -474,19 +474,25 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
 
 
 def test_speculation_gate_rates_are_tokens_over_time_and_probes_spread_with_the_gap():
-    """A side's rate is an EWMA of ms per token, inverted: steps of 10 and 30 ms with one token each give 1/20
-    token per ms after many alternations (an EWMA of the rates would say (1/10 + 1/30) / 2 = 1/15). The losing side
+    """A side's rate is a ratio of EWMAs, tokens over ms: steps of 10 and 30 ms with one token each give 1/20 token
+    per ms after many alternations (an EWMA of the rates would say (1/10 + 1/30) / 2 = 1/15), and steps of (1
+    token, 10 ms) and (3 tokens, 20 ms) 4/30 (the rates' mean: 1/8). The losing side
     is probed PROBE steps apart at a gap of GAP_UNIT or less, farther apart as the gap grows, up to MAX_SPACING x
     PROBE (and at once where speculation is ahead of the optimistic plain hint); PROBE until the bucket has measured
     both sides itself."""
     from workers.policy import SpeculationGate
 
     gate = SpeculationGate()
-    gate.ALPHA = 0.02  # a long memory: the EWMA's value is about the mean of its samples' ms per token
+    gate.ALPHA = 0.02  # a long memory: the EWMAs' values are about their samples' means
     for i in range(2000):
         gate.observe(1, True, 1.0, 10.0 if i % 2 else 30.0)
     assert gate.rate[(1, True)] == pytest.approx(1 / 20, rel=0.02)
     assert gate.pooled[(1, True)] == pytest.approx([2000.0, 40000.0])
+    for i in range(2000):  # (1 token, 10 ms) and (3 tokens, 20 ms): 4 tokens in 30 ms (the rates' mean: 0.125)
+        gate.observe(2, True, 2.0 if i % 2 else 6.0, 10.0 if i % 2 else 20.0)  # (per request of 2)
+    assert gate.rate[(2, True)] == pytest.approx(4 / 30, rel=0.02)
+    gate.observe(2, True, 0.0, 10.0)  # no tokens: no sample (no decode step yields none)
+    assert gate.samples[(2, True)] == 2000
     gate = SpeculationGate()
     P = SpeculationGate.PROBE
     assert gate.probe_spacing(4, 1.0, 0.5, False) == P  # neither side measured in the bucket itself
@@ -496,6 +502,23 @@ def test_speculation_gate_rates_are_tokens_over_time_and_probes_spread_with_the_
     assert gate.probe_spacing(4, 0.85, 1.0, False) == 3 * P
     assert gate.probe_spacing(4, 1.0, 0.5, False) == SpeculationGate.MAX_SPACING * P
     assert gate.probe_spacing(4, 1.0, 0.97, True) == SpeculationGate.MAX_SPACING * P
+    # through should_draft with noisy cycles (small enough that a probe never turns the verdict): every probe comes probe_spacing steps after the last one (a modulus
+    # of a spacing that moves with the rates gave gaps from 1 to ~6x the spacing)
+    import random
+    rnd = random.Random(0)
+    for loser in (0.9, 0.8):
+        gate = SpeculationGate()
+        decisions = []
+        for _ in range(3000):
+            draft = gate.should_draft(8)
+            decisions.append(draft)
+            ms = 10.0 * (1 + 0.03 * rnd.uniform(-1, 1))  # plain: 0.1 token per ms per request, +-3%
+            gate.observe(8, draft, 8 * 0.1 * loser * ms if draft else 8.0, ms * (1 + 0.03 * rnd.uniform(-1, 1)))
+        probes = [i for i, d in enumerate(decisions) if d and i >= 6]  # speculation loses: its steps are probes
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert len(gaps) > 20 and min(gaps) >= P and max(gaps) <= SpeculationGate.MAX_SPACING * P, (loser, gaps)
+        nominal = P * min(SpeculationGate.MAX_SPACING, (1 - loser) / SpeculationGate.GAP_UNIT)  # 32, 64
+        assert sum(gaps) / len(gaps) == pytest.approx(nominal, rel=0.15), (loser, gaps)
 
 
 def test_speculation_gate_switches_sides_as_their_rates_cross():
@@ -588,6 +611,50 @@ def test_step_ends_charge_each_step_its_queued_device_work():
     end = cpu.mark()
     host["now"] = 0.034  # its learning: not in the cycle
     assert cpu.step_ended(0.0105, 0.030, end, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
+
+
+def test_step_ends_ring_never_misreads_a_re_recorded_event():
+    """On CUDA the markers are a ring of RING events re-recorded in turn: a cycle still unread when one of its
+    events is recorded again (a step whose end the device has not passed while later steps marked on) is dropped
+    and counted, never read with the new time; the cycles after it are read as usual."""
+    from workers.runner import _StepEnds
+
+    device = {"now": 0.0}
+    times: list[float] = []  # device times at which the next recorded events are passed
+
+    class RingEvent:
+        def record(self):
+            self.done_at = times.pop(0)
+
+        def query(self) -> bool:
+            return self.done_at <= device["now"]
+
+        def elapsed_time(self, other) -> float:
+            return other.done_at - self.done_at
+
+    host = {"now": 0.0}
+    ends = _StepEnds(torch.device("cpu"), clock=lambda: host["now"], new_event=RingEvent)
+    ends.RING = 6
+    got = []
+
+    def step(end_ms: float, device_now: float, sample=(4, False, 4.0)):
+        times.extend([end_ms, end_ms])  # its end, then where it returned
+        host["now"] += 0.001
+        end = ends.mark()
+        device["now"] = device_now
+        got.extend(ends.step_ended(host["now"] - 0.0005, host["now"], end, sample))
+        ends.resumed()
+
+    step(10.0, 10.0, None)
+    for k in range(7):  # the device stalls behind the host: no step's end is passed while the ring turns over
+        step(20.0 + 10 * k, 15.0)
+    # a cycle is dropped once a later mark re-records one of its events (RING = 6: three steps of marks); the
+    # newest stay pending
+    assert got == [] and ends.dropped == 5 and len(ends.pending) == 2
+    # the device catches up: this step's end mark re-records the oldest pending cycle's first event (dropped), the
+    # other and this step's own are read, 10 ms each
+    step(90.0, 1000.0)
+    assert got == [(4, False, 4.0, pytest.approx(10.0))] * 2 and ends.dropped == 6 and len(ends.ring) == 6
 
 
 def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():
@@ -821,6 +888,27 @@ def test_routing_counts_are_sampled_from_the_steps_that_carry_them():
     assert policy.estimator.counts[0][0] == 4.0 * COUNTS_FOLD_EVERY and policy._pending_counts is None
     assert policy.estimator.touch_prob_table()[0][0] > before
     assert policy.keep_counts(hot) is None and policy.keep_counts([]) is None  # not a sampled step; no counts
+    # on CUDA the fold's copy to the host is async: a fold not yet arrived is applied by a later call, once, while
+    # the next counts pile up apart
+    import workers.policy as policy_mod
+    arrived = {"now": False}
+    real_ready = policy_mod.DeviceReadback.ready
+    policy_mod.DeviceReadback.ready = lambda self: arrived["now"]
+    try:
+        folded = policy.estimator.counts[0][0]
+        for _ in range(COUNTS_FOLD_EVERY * COUNTS_SAMPLE_EVERY):
+            policy.observe(None, obs, hot)
+        assert policy._folding is not None and policy.estimator.counts[0][0] == folded  # on its way
+        for _ in range(COUNTS_SAMPLE_EVERY):
+            policy.observe(None, obs, hot)  # more counts meanwhile: pending again, not lost
+        assert policy._pending_steps == 1 and policy.estimator.counts[0][0] == folded
+        arrived["now"] = True
+        policy.fold_counts()
+        assert policy.estimator.counts[0][0] == folded + 4.0 * COUNTS_FOLD_EVERY and policy._folding is None
+        policy.fold_counts()  # applied once
+        assert policy.estimator.counts[0][0] == folded + 4.0 * COUNTS_FOLD_EVERY
+    finally:
+        policy_mod.DeviceReadback.ready = real_ready
 
 
 def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():

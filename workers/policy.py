@@ -122,8 +122,8 @@ class SpeculationGate:
     """hybridspec speculates only where it pays, measured on whole step cycles (the runner's _StepEnds: drafting,
     verification, acceptance, the commit's device time and the loop between steps, which the latency model's
     forward times leave out): per batch-size bucket the output tokens per ms per request of decode steps with
-    drafts and of plain decode steps (an EWMA of its inverse). It drafts unless the speculative side is measured
-    slower, and every probe_spacing-th step it tries the losing side so that a change of acceptance or load is
+    drafts and of plain decode steps (a ratio of EWMAs: tokens over ms). It drafts unless the speculative side is measured
+    slower, and probe_spacing steps after its last probe it tries the losing side so that a change of acceptance or load is
     seen (PROBE steps apart, more the farther the loser is behind). Each side is measured MIN_SAMPLES times first
     (speculative first). A drafted step's tokens are the plan's expected tokens (LengthPolicy.observe_outcome),
     which vary far less from step to step than accepted lengths.
@@ -142,19 +142,20 @@ class SpeculationGate:
       speculation's lead does not shrink as the batch does. The buckets a closed batch's tail meets (requests
       leaving one by one, a few steps each) took the full batch's plain verdict and never probed speculation:
       at c=16 / 0.5 (8c8e258) buckets 1-8 decoded plain while c=1 and c=4 measure speculation 1.14x ar.
-    The first drafted step after plain ones pays the drafter's catch-up on the tokens it did not draft, which the
-    rate, led by the cheap steps of a speculative run, hardly sees (c=64 / 0.5, dce2f83). A 10% margin before a
+    The first drafted step after plain ones pays the drafter's catch-up on the tokens it did not draft (c=64 / 0.5,
+    dce2f83); the ratio of EWMAs weighs that slow cycle by its time (an EWMA of the rates hardly saw it). A 10% margin before a
     bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed: no gain at
     c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16% (bench/NOTES.md)."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, GAP_UNIT, MAX_SPACING = 16, 0.25, 3, 1.2, 0.05, 4
 
     def __init__(self) -> None:
-        # (bucket, drafted) -> EWMA of output tokens per ms per request (per request: a bucket holds several batch
-        # sizes, and the losing side's rate is refreshed only by its probes)
+        # (bucket, drafted) -> output tokens per ms per request, the EWMA of its tokens over the EWMA of its ms (per
+        # request: a bucket holds several batch sizes, and the losing side's rate is refreshed only by its probes)
         self.rate: dict[tuple[int, bool], float] = {}
+        self.ms: dict[tuple[int, bool], float] = {}  # EWMA of the side's cycle ms (its rate x this: tokens)
         self.samples: dict[tuple[int, bool], int] = {}
-        self.asked: dict[int, int] = {}
+        self.asked: dict[int, int] = {}  # per bucket: steps decided since its last probe
         self.inherited: set[int] = set()  # buckets whose rates are a neighbour's, not yet sampled themselves
         self.own: dict[tuple[int, bool], int] = {}  # samples measured in the bucket itself (not inherited)
         self.decisions = [0, 0]  # steps decided plain, speculative
@@ -196,17 +197,20 @@ class SpeculationGate:
         elif plain_n < self.MIN_SAMPLES:
             draft = ahead  # clearly ahead of even an optimistic plain step: plain decoding is not explored
         else:
-            self.asked[b] = self.asked.get(b, 0) + 1
+            self.asked[b] = self.asked.get(b, 0) + 1  # steps since the last probe
             spec, plain = self.rate[(b, True)], self.rate[(b, False)]
             spec_wins = spec >= plain
-            draft = spec_wins != (self.asked[b] % self.probe_spacing(b, spec, plain, spec_wins and ahead) == 0)
+            probe = self.asked[b] >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
+            if probe:
+                self.asked[b] = 0
+            draft = spec_wins != probe
         self.decisions[draft] += 1
         return draft
 
     def probe_spacing(self, b: int, spec: float, plain: float, ahead: bool) -> int:
         """Steps between probes of the losing side: PROBE, times the loser's gap to the winner in GAP_UNITs (a
         probe costs the step that gap, so a far loser is probed less often: a probe's cost per step stays about
-        PROBE x GAP_UNIT), MAX_SPACING where speculation is ahead of the optimistic plain hint; plain PROBE until
+        GAP_UNIT / PROBE), MAX_SPACING where speculation is ahead of the optimistic plain hint; plain PROBE until
         the bucket has measured both sides itself (an inherited verdict is checked soon)."""
         if not all(self.own.get((b, side), 0) for side in (True, False)):
             return self.PROBE
@@ -215,24 +219,29 @@ class SpeculationGate:
         return int(round(self.PROBE * factor))
 
     def observe(self, batch_size: int, drafted: bool, tokens: float, step_ms: float) -> None:
-        if step_ms <= 0:
+        if step_ms <= 0 or tokens <= 0:  # (no decode step yields no token)
             return
         b = self.bucket(batch_size)
         key = (b, drafted)
-        r = tokens / step_ms / max(1, batch_size)
-        self.cycles.append((b, drafted, tokens / max(1, batch_size), step_ms))
+        tok = tokens / max(1, batch_size)
+        r = tok / step_ms
+        self.cycles.append((b, drafted, tok, step_ms))
         if b in self.inherited:  # the first own sample: keep the neighbour's ratio, take this bucket's scale
             self.inherited.discard(b)
             other = (b, not drafted)
             self.rate[other] *= r / self.rate[key] if self.rate[key] > 0 else 1.0
             self.rate[key] = r
+            self.ms[key] = step_ms
+        elif key not in self.rate or key not in self.ms:
+            self.rate[key], self.ms[key] = r, step_ms
         else:
-            # an EWMA of ms per token (the rate's inverse): a side's rate is then its tokens over its time, as a
-            # cell's throughput is; an EWMA of the rates themselves is led by the fast steps (at c=64/0.5, efebc90:
-            # 0.087 against a pooled 0.072 for speculation, 0.076 against 0.069 for plain)
-            old_rate = self.rate.get(key)
-            self.rate[key] = r if not old_rate or r <= 0 else \
-                1.0 / ((1 - self.ALPHA) / old_rate + self.ALPHA / r)
+            # a ratio of EWMAs: of the tokens per request (rate x ms) and of the cycle's ms, so that a side's rate is
+            # its tokens over its time, as a cell's throughput is; an EWMA of the rates themselves is led by the
+            # fast steps (at c=64/0.5, efebc90: 0.087 against a pooled 0.072 for speculation, 0.076 against 0.069
+            # for plain)
+            ms = (1 - self.ALPHA) * self.ms[key] + self.ALPHA * step_ms
+            self.rate[key] = ((1 - self.ALPHA) * self.rate[key] * self.ms[key] + self.ALPHA * tok) / ms
+            self.ms[key] = ms
         self.samples[key] = self.samples.get(key, 0) + 1
         self.own[key] = self.own.get(key, 0) + 1
         pooled = self.pooled.setdefault(key, [0.0, 0.0])  # the diagnostic's pooled rate: sums, not an EWMA

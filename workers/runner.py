@@ -97,13 +97,16 @@ class _StepEnds:
     RING = 32
     CONTIGUOUS = False  # a cycle starts at the previous step's end mark (True) or where it returned (False)
 
-    def __init__(self, device: torch.device, clock=time.perf_counter):
-        self.cuda, self.clock = device.type == "cuda", clock
+    def __init__(self, device: torch.device, clock=time.perf_counter, new_event=None):
+        self.cuda, self.clock = device.type == "cuda" or new_event is not None, clock
+        self.new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
         self.ring: list = []  # CUDA events, re-recorded in turn
-        self.next = 0
+        self.next = 0  # marks made
+        self.stamp: dict[int, int] = {}  # id(event) -> the mark that last recorded it
+        self.dropped = 0  # cycles whose events were re-recorded before the device passed them (never read)
         self.resume: tuple | None = None  # (marker, host time) where the last step returned
         self.last_end: tuple | None = None  # (end marker, drafted or None) of the last step
-        # (start marker, end marker, sample, (previous end marker, its drafted), marks made by then) of cycles not
+        # (start marker, end marker, sample, (previous end marker, its drafted), the markers' stamps) of cycles not
         # read yet, oldest first
         self.pending: list[tuple] = []
         # a diagnostic: device ms between a step's end mark and where the next cycle starts (no cycle holds them),
@@ -113,15 +116,19 @@ class _StepEnds:
     def mark(self):
         """A point in the step's stream of work: a CUDA event recorded now, or the host clock. The events are a ring
         of RING, re-recorded in turn (creating one cost ~25 us of host time a mark on the H200 host; a marker is
-        read within a few steps: MAX_PENDING cycles, two marks a step)."""
+        read within a few steps; a pending cycle whose events were re-recorded meanwhile is dropped, never misread)."""
         if not self.cuda:
             return self.clock()
         if len(self.ring) < self.RING:
-            self.ring.append(torch.cuda.Event(enable_timing=True))
+            self.ring.append(self.new_event())
         event = self.ring[self.next % self.RING]
         self.next += 1
+        self.stamp[id(event)] = self.next
         event.record()
         return event
+
+    def _stamps(self, *markers) -> tuple:
+        return tuple(self.stamp.get(id(m)) for m in markers)
 
     def _elapsed_ms(self, begin, end) -> float | None:
         if not self.cuda:
@@ -132,12 +139,13 @@ class _StepEnds:
         """The pending samples whose ends have been reached, as (batch size, drafted, tokens, cycle ms); the
         others stay pending (the newest MAX_PENDING)."""
         done, left = [], []
-        for begin, end, sample, before, born in self.pending:
-            if self.cuda and self.next - born > self.RING - 4:
-                continue  # its events (the newest <= 3 marks before `born`) are about to be re-recorded
+        for begin, end, sample, before, stamps in self.pending:
+            if self.cuda and self._stamps(begin, end, before[0]) != stamps:
+                self.dropped += 1  # an event re-recorded by a later mark: its time is not this cycle's
+                continue
             ms = self._elapsed_ms(begin, end)
             if ms is None:
-                left.append((begin, end, sample, before, born))
+                left.append((begin, end, sample, before, stamps))
                 continue
             if ms > 0:
                 done.append((*sample, ms))
@@ -162,7 +170,8 @@ class _StepEnds:
             if started - returned <= max(self.GAP_MS / 1e3, ended - started):
                 if self.CONTIGUOUS and prev_end is not None:
                     begin = prev_end
-                self.pending.append((begin, end, sample, (prev_end, prev_drafted), self.next))
+                self.pending.append((begin, end, sample, (prev_end, prev_drafted),
+                                     self._stamps(begin, end, prev_end)))
         self.last_end = (end, sample[1] if sample is not None else None)
         self.resume = None
         return self._resolve()
