@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
-    "router_logits_1", "router_logits_5", "router_logits_64", "router_logits_65_fallback", "router_logits_strided",
-    "router_logits_row_stride",
+    "router_logits_1", "router_logits_5", "router_logits_16", "router_logits_17", "router_logits_64",
+    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_16_strided",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
@@ -76,7 +76,7 @@ def _checks() -> dict:
     E, K, H, I = 8, 2, 32, 16
     checks = {}
 
-    # ---- router logits (fp32 sums; one kernel up to ROUTER_LOGITS_MAX_N tokens, 16 experts a program)
+    # ---- router logits (fp32 sums; one kernel up to ROUTER_LOGITS_MAX_N tokens: CUDA cores up to 16, tl.dot beyond)
     def logits_case(n, strided=False, row_stride=False):
         from kernels.moe import router_logits_ref
         from kernels.moe_triton import router_logits_triton
@@ -92,7 +92,10 @@ def _checks() -> dict:
 
     checks["router_logits_1"] = lambda: logits_case(1)
     checks["router_logits_5"] = lambda: logits_case(5)
+    checks["router_logits_16"] = lambda: logits_case(16)  # the last size of the CUDA-core kernel
+    checks["router_logits_17"] = lambda: logits_case(17)  # the first of the tl.dot kernel
     checks["router_logits_64"] = lambda: logits_case(64)
+    checks["router_logits_16_strided"] = lambda: logits_case(12, strided=True)
     checks["router_logits_65_fallback"] = lambda: logits_case(65)
     checks["router_logits_strided"] = lambda: logits_case(3, strided=True)
     checks["router_logits_row_stride"] = lambda: logits_case(7, row_stride=True)
