@@ -99,7 +99,7 @@ def _router_logits_gemv_kernel(
     tl.store(out_ptr + n[:, None].to(tl.int64) * E + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
 
 
-ROUTER_GEMV_MAX_N = 16  # up to this many tokens the router logits take the CUDA-core kernel (tl.dot beyond)
+ROUTER_GEMV_MAX_N = 4  # up to this many tokens the router logits take the CUDA-core kernel (tl.dot beyond)
 ROUTER_GEMV_BLOCK_E = 2  # experts a program there: 128 programs for 256 experts
 
 
@@ -108,7 +108,8 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
     kernel per MoE layer) and the fp32 GEMV over an fp32 copy of the router's weights (2 MB a layer) become one
     kernel reading the bf16 weights (1 MB). Up to ROUTER_GEMV_MAX_N tokens ROUTER_GEMV_BLOCK_E experts a program
     on the CUDA cores (the tl.dot kernel's 16 experts a program left 16 programs for 256 experts: latency-bound,
-    6.1 us a layer at N=1 on the H200), beyond 16 a program with tl.dot. Larger N: the reference (cuBLAS)."""
+    6.1 us a layer at N=1 on the H200; 5.0 us on the CUDA cores, but 24.6 us at N=16, 03a1322), beyond that 16
+    experts a program with tl.dot (bench/router_logits.py times both). Larger N: the reference (cuBLAS)."""
     n, h = x.shape
     e = weight.shape[0]
     if n > ROUTER_LOGITS_MAX_N or n == 0:

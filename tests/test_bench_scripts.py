@@ -1,7 +1,7 @@
 """The GPU-session bench scripts run end to end in their --tiny CPU mode (a broken script would waste device
 time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
 time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the MoE's tile
-candidates, each checked against the reference) and bench/host_phases.py (host time by part without a profiler)."""
+candidates, each checked against the reference) bench/host_phases.py (host time by part without a profiler) and bench/router_logits.py (the router's two logits kernels)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ def test_host_phases_tiny_times_each_policys_parts_by_step_kind(tmp_path):
                "16", "--max-new", "8", "--cell-tokens", "8", "--policies", "hybridspec", "--out", str(tmp_path / "p"))
     forced = json.loads(out2.read_text())
     assert forced["hybridspec|plain|execute+sync"][1] > 0 and "hybridspec|spec|execute+sync" not in forced
+
+
+def test_router_logits_tiny_checks_both_kernels(tmp_path):
+    run_script("router_logits.py", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "router_logits.json").read_text())
+    assert report["bad"] == [] and [r["N"] for r in report["rows"]] == [1, 2, 3, 4, 6]
+    for r in report["rows"]:
+        assert max(r["gemv_rel_err"], r["dot_rel_err"], r["routed_rel_err"]) < 1e-5
 
 
 def test_verify_overhead_tiny_times_both_graph_sets(tmp_path):

@@ -22,7 +22,7 @@ TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
     "router_logits_1", "router_logits_5", "router_logits_16", "router_logits_17", "router_logits_64",
-    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_16_strided",
+    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_4",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
@@ -92,10 +92,10 @@ def _checks() -> dict:
 
     checks["router_logits_1"] = lambda: logits_case(1)
     checks["router_logits_5"] = lambda: logits_case(5)
-    checks["router_logits_16"] = lambda: logits_case(16)  # the last size of the CUDA-core kernel
-    checks["router_logits_17"] = lambda: logits_case(17)  # the first of the tl.dot kernel
+    checks["router_logits_4"] = lambda: logits_case(4)  # the CUDA-core kernel's last size (ROUTER_GEMV_MAX_N)
+    checks["router_logits_16"] = lambda: logits_case(16)  # tl.dot from 5 tokens on (router_logits_5 the first)
+    checks["router_logits_17"] = lambda: logits_case(17)
     checks["router_logits_64"] = lambda: logits_case(64)
-    checks["router_logits_16_strided"] = lambda: logits_case(12, strided=True)
     checks["router_logits_65_fallback"] = lambda: logits_case(65)
     checks["router_logits_strided"] = lambda: logits_case(3, strided=True)
     checks["router_logits_row_stride"] = lambda: logits_case(7, row_stride=True)
