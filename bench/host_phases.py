@@ -2,8 +2,9 @@
     PYTHONPATH=. python bench/host_phases.py --phases-out $OUT/phases.json [--force-plain] <bench/e2e.py arguments>
 Runs bench/e2e.py with thin perf_counter wrappers around the runner's parts (ModelRunner.execute and, inside it,
 the graphs' staging and replay, the drafter, the plan, the gate's bookkeeping, the deferred learning) and writes,
-per (policy, plain|spec, part), [total ms, calls, ms per call] of the decode steps that ran 1 or 64 requests
-(`execute+sync` is the step until the device is done, as e2e times it). The wrappers cost ~1 us a call, where
+per (policy, plain|spec, part), [total ms, steps, ms per step] of the decode steps (no prefill chunk) that ran 1 or
+64 requests, a part's calls within a step summed (`execute+sync` is the step until the device is done, as e2e times
+it; `gate: resumed` holds one of the step's two `gate: mark`s). The wrappers cost ~1 us a call, where
 torch.profiler (bench/step_timeline.py) and cProfile (bench/host_profile.py) inflate every Python call; the means
 include the warm-up run's and the profile's steps (graph captures among them). `--force-plain`: hybridspec's gate
 always answers plain decoding, so its plain steps can be compared with ar's in one cell (bench/NOTES.md,
@@ -77,7 +78,8 @@ class Phases:
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             self.step["execute+sync"] = (time.perf_counter() - t) * 1e3
-            if len(requests) in KINDS_OF_BATCH:
+            decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)  # (no prefill chunk)
+            if decode and len(requests) in KINDS_OF_BATCH:
                 kind = "spec" if getattr(run, "last_draft_width", 0) else "plain"
                 for label, ms in self.step.items():
                     tally = self.acc[(self.policy, kind, label)]
@@ -99,7 +101,7 @@ class Phases:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, calls, ms per call]")
+    ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, steps, ms per step]")
     ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
     args, rest = ap.parse_known_args()
     if args.force_plain:

@@ -120,7 +120,7 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
     if n <= ROUTER_GEMV_MAX_N:
         block_n = triton.next_power_of_2(n)
         block_e = ROUTER_GEMV_BLOCK_E
-        block_k = 512 if block_n <= 4 else 256 if block_n <= 8 else 128  # [BN, BE, BK] products in registers
+        block_k = 512  # [BN <= 4, BE, BK] products in registers (bench/router_logits.py sizes larger N apart)
         _router_logits_gemv_kernel[(triton.cdiv(e, block_e),)](
             x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=block_n, BLOCK_E=block_e,
             BLOCK_K=block_k, num_warps=4)

@@ -22,7 +22,7 @@ TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
     "router_logits_1", "router_logits_5", "router_logits_16", "router_logits_17", "router_logits_64",
-    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_4",
+    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_4", "router_logits_routing",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",
@@ -76,7 +76,7 @@ def _checks() -> dict:
     E, K, H, I = 8, 2, 32, 16
     checks = {}
 
-    # ---- router logits (fp32 sums; one kernel up to ROUTER_LOGITS_MAX_N tokens: CUDA cores up to 16, tl.dot beyond)
+    # ---- router logits (fp32 sums; one kernel up to ROUTER_LOGITS_MAX_N tokens: CUDA cores up to 4, tl.dot beyond)
     def logits_case(n, strided=False, row_stride=False):
         from kernels.moe import router_logits_ref
         from kernels.moe_triton import router_logits_triton
@@ -99,6 +99,32 @@ def _checks() -> dict:
     checks["router_logits_65_fallback"] = lambda: logits_case(65)
     checks["router_logits_strided"] = lambda: logits_case(3, strided=True)
     checks["router_logits_row_stride"] = lambda: logits_case(7, row_stride=True)
+
+    def logits_routing_case():  # which kernel each token count takes: CUDA cores up to ROUTER_GEMV_MAX_N
+        import kernels.moe_triton as MT
+
+        launched = []
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                launched.append(self.name)
+                return self.kernel[grid]
+
+        real = MT._router_logits_gemv_kernel, MT._router_logits_kernel
+        MT._router_logits_gemv_kernel, MT._router_logits_kernel = Spy(real[0], "gemv"), Spy(real[1], "dot")
+        try:
+            w = torch.randn(40, 200)
+            for n in (1, MT.ROUTER_GEMV_MAX_N, MT.ROUTER_GEMV_MAX_N + 1, 64, 65):
+                MT.router_logits_triton(torch.randn(n, 200), w)
+        finally:
+            MT._router_logits_gemv_kernel, MT._router_logits_kernel = real
+        want = ["gemv", "gemv", "dot", "dot"]  # 65 tokens: cuBLAS, no Triton launch
+        return 0.0 if launched == want else f"kernels launched {launched}, want {want}"
+
+    checks["router_logits_routing"] = logits_routing_case
 
     # ---- routing
     def route_case(renorm):

@@ -655,6 +655,7 @@ def test_step_ends_ring_never_misreads_a_re_recorded_event():
     # other and this step's own are read, 10 ms each
     step(90.0, 1000.0)
     assert got == [(4, False, 4.0, pytest.approx(10.0))] * 2 and ends.dropped == 6 and len(ends.ring) == 6
+    assert ends.take_dropped() == 6 and ends.take_dropped() == 0  # the runner adds them to policy.gate_dropped
 
 
 def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():

@@ -293,7 +293,7 @@ class LengthPolicy:
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         self.name, self.max_verify_len = name, max_verify_len
-        self.device = torch.device(device)  # where the expected-distinct-experts table is computed
+        self.device = torch.device(device)  # the model's (DeviceReadback copies from it; the tables are host-side)
         self.num_moe_layers = sum(config.moe_layers)
         self.estimator = ExpertEstimator(max(self.num_moe_layers, 1), max(config.num_experts, 1),
                                          max(config.num_experts_per_tok, 1))
@@ -329,6 +329,7 @@ class LengthPolicy:
         # a diagnostic of the gate's cycles (the runner's _StepEnds): device ms between a step's end mark and where
         # the next cycle starts, which no cycle holds, by whether that step drafted: [sum ms, count]
         self.gate_between: dict[bool, list[float]] = {}
+        self.gate_dropped = 0  # the gate's cycles never read: their CUDA events were re-recorded first (_StepEnds)
         # hybridspec plans the drafter's block (width_plan): per batch-size bucket, the drafter's measured ms by
         # rows drafted, and the rest of a drafted step beyond its forward and its drafting (EWMA)
         self.draft_costs: dict[int, DraftCost] = {}
@@ -666,8 +667,8 @@ class LengthPolicy:
     def observe(self, drafter: str | None, obs: StepObservation,
                 expert_counts: list[torch.Tensor] | torch.Tensor | None, fold: bool = True) -> None:
         """A step's forward time, verified drafts and routing counts (a list per MoE layer, or what keep_counts
-        kept of them at the step). `fold=False`: a due fold of the summed counts into the routing statistics (a
-        host read that waits for the device, then pure Python over layers x E) waits for fold_counts()."""
+        kept of them at the step). `fold=False`: a due fold of the summed counts into the routing statistics (an
+        async copy to the host, then pure Python over layers x E once it has arrived) waits for fold_counts()."""
         self._settle()
         self.steps += 1
         if isinstance(obs.distinct_experts, DeviceReadback):

@@ -127,6 +127,11 @@ class _StepEnds:
         event.record()
         return event
 
+    def take_dropped(self) -> int:
+        """Cycles dropped since the last call (their events re-recorded before the device passed them)."""
+        n, self.dropped = self.dropped, 0
+        return n
+
     def _stamps(self, *markers) -> tuple:
         return tuple(self.stamp.get(id(m)) for m in markers)
 
@@ -500,6 +505,7 @@ class ModelRunner:
         if gated:
             for cycle in self._ends.step_ended(start, ended, end, sample):
                 self.policy.observe_cycle(*cycle)
+            self.policy.gate_dropped += self._ends.take_dropped()
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
@@ -511,7 +517,7 @@ class ModelRunner:
     def flush_learning(self, fold: bool = True) -> None:
         """Learns the last step now if its learning was deferred (before reading or replacing the policy).
         `fold=False` (inside a step, while its forward runs): a due fold of the routing counts waits for the
-        step's end mark (it reads the device back and would put its host time in the step's cycle)."""
+        step's end mark (its copy and its pure-Python fold are host time that belongs to no step's cycle)."""
         pending, self._learning = self._learning, None
         if pending is not None:
             policy, drafter, obs, counts = pending
