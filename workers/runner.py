@@ -95,7 +95,6 @@ class _StepEnds:
     GAP_MS = 5.0
     MAX_PENDING = 4
     RING = 32
-    CONTIGUOUS = False  # a cycle starts at the previous step's end mark (True) or where it returned (False)
 
     def __init__(self, device: torch.device, clock=time.perf_counter, new_event=None):
         self.cuda, self.clock = device.type == "cuda" or new_event is not None, clock
@@ -155,7 +154,7 @@ class _StepEnds:
             if ms > 0:
                 done.append((*sample, ms))
             prev_end, prev_drafted = before
-            if prev_end is not None and prev_drafted is not None and prev_end is not begin:
+            if prev_end is not None and prev_drafted is not None:
                 gap = self._elapsed_ms(prev_end, begin)  # reached: begin precedes end
                 if gap is not None:
                     tally = self.between.setdefault(prev_drafted, [0.0, 0])
@@ -173,8 +172,6 @@ class _StepEnds:
         if sample is not None and self.resume is not None:
             begin, returned = self.resume
             if started - returned <= max(self.GAP_MS / 1e3, ended - started):
-                if self.CONTIGUOUS and prev_end is not None:
-                    begin = prev_end
                 self.pending.append((begin, end, sample, (prev_end, prev_drafted),
                                      self._stamps(begin, end, prev_end)))
         self.last_end = (end, sample[1] if sample is not None else None)
