@@ -735,6 +735,52 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []
 
 
+def test_gate_thinning_times_only_sampled_steps_and_keeps_its_probes(monkeypatch):
+    """SpeculationGate.SAMPLE_EVERY > 1: on a measured bucket the winning side's cycles are timed every
+    SAMPLE_EVERY-th step and every probe is timed (an untimed step never probes); unmeasured buckets always. End to
+    end (the runner's _StepEnds thinned on the host clock): an untimed step makes no mark, the output stays the
+    greedy output, and the gate learns from about a quarter of the steps where plain decoding wins."""
+    from workers.drafters import DraftModelDrafter, ReplayDrafter
+    from workers.policy import SpeculationGate
+    from workers.runner import _StepEnds
+
+    monkeypatch.setattr(SpeculationGate, "SAMPLE_EVERY", 4)
+    gate = SpeculationGate()
+    for draft in (True,) * 3 + (False,) * 3:  # both sides measured, plain 2x faster
+        assert gate.wants_sample(8) and gate.should_draft(8) == draft
+        gate.observe(8, draft, 8.0, 20.0 if draft else 10.0)
+    timed, probes = [], []
+    for _ in range(400):
+        t = gate.wants_sample(8)
+        d = gate.should_draft(8, sampled=t)
+        timed.append(t)
+        probes.append(d)
+        if t:
+            gate.observe(8, d, 8.0, 20.0 if d else 10.0)
+    assert not any(d and not t for d, t in zip(probes, timed))  # every probe timed
+    gaps = [b - a for a, b in zip([i for i, d in enumerate(probes) if d], [i for i, d in enumerate(probes) if d][1:])]
+    assert gaps and set(gaps) == {SpeculationGate.MAX_SPACING * SpeculationGate.PROBE}  # the spacing kept
+    assert 400 / 4 <= sum(timed) <= 400 / 4 + sum(probes) + 2
+
+    monkeypatch.setattr(_StepEnds, "THIN", True)
+    marks = []
+    real_mark = _StepEnds.mark
+    monkeypatch.setattr(_StepEnds, "mark", lambda self: marks.append(1) or real_mark(self))
+    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(80)
+    cfg, conc, new = model.config, len(prompts), 80
+    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, conc)
+    replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3, cost_model=cost)  # drafts always wrong: plain wins
+    for p, cont in zip(prompts, greedy):
+        replay.set_reference(p, cont + [0] * 20)
+    runner.drafter = replay
+    res = serve(runner, prompts, new, 8, page_size, num_pages, "hybridspec")
+    assert res.tokens == greedy
+    g = runner.policy.gate
+    learned = sum(g.own.values())
+    assert g.own.get((2, False), 0) >= 1 and learned < 0.6 * res.steps, (learned, res.steps)
+    assert len(marks) < 1.2 * res.steps  # (two marks a timed step, none on the others)
+
+
 def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
     """On CUDA a step's learning (policy.observe) waits for the next step's forward launch, so the host learns
     while the device runs it (runner.defer_learning; forced on here on CPU): step j's observation is learned

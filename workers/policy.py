@@ -148,6 +148,10 @@ class SpeculationGate:
     c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16% (bench/NOTES.md)."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, GAP_UNIT, MAX_SPACING = 16, 0.25, 3, 1.2, 0.05, 4
+    # cycles sampled on a measured bucket's winning side: every SAMPLE_EVERY-th step (probes and unmeasured buckets
+    # always). 1: every step. The runner marks no CUDA event on an unsampled step (the marks, the cycle's read
+    # and the next step's start cost ~0.09 ms of a 13 ms plain step at c=64, bench/NOTES.md); not measured yet
+    SAMPLE_EVERY = 1
 
     def __init__(self) -> None:
         # (bucket, drafted) -> output tokens per ms per request, the EWMA of its tokens over the EWMA of its ms (per
@@ -156,6 +160,7 @@ class SpeculationGate:
         self.ms: dict[tuple[int, bool], float] = {}  # EWMA of the side's cycle ms (its rate x this: tokens)
         self.samples: dict[tuple[int, bool], int] = {}
         self.asked: dict[int, int] = {}  # per bucket: steps decided since its last probe
+        self.ticks: dict[int, int] = {}  # per bucket: wants_sample calls (SAMPLE_EVERY's count)
         self.inherited: set[int] = set()  # buckets whose rates are a neighbour's, not yet sampled themselves
         self.own: dict[tuple[int, bool], int] = {}  # samples measured in the bucket itself (not inherited)
         self.decisions = [0, 0]  # steps decided plain, speculative
@@ -186,8 +191,25 @@ class SpeculationGate:
             self.rate[(b, True)] = max(self.rate[(b, True)], self.rate[(b, False)])
         self.inherited.add(b)
 
-    def should_draft(self, batch_size: int, plain_hint: float | None = None) -> bool:
-        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms per request."""
+    def wants_sample(self, batch_size: int) -> bool:
+        """Whether the next step at this batch size should be sampled (its cycle timed): always while a side is
+        unmeasured or inherited, and where a probe is due (a probe is the losing side's only measurement); else
+        every SAMPLE_EVERY-th call."""
+        if self.SAMPLE_EVERY <= 1:
+            return True
+        b = self.bucket(batch_size)
+        if b in self.inherited or not all(self.own.get((b, side), 0) >= self.MIN_SAMPLES for side in (True, False)):
+            return True
+        spec, plain = self.rate[(b, True)], self.rate[(b, False)]
+        if self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, False):  # (without the hint: sooner)
+            return True
+        self.ticks[b] = self.ticks.get(b, 0) + 1
+        return self.ticks[b] % self.SAMPLE_EVERY == 0
+
+    def should_draft(self, batch_size: int, plain_hint: float | None = None, sampled: bool = True) -> bool:
+        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms per request. `sampled`:
+        whether this step's cycle is timed (wants_sample); an untimed step never probes (a due probe waits for
+        the next timed step)."""
         b = self.bucket(batch_size)
         self._inherit(b)
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
@@ -200,7 +222,7 @@ class SpeculationGate:
             self.asked[b] = self.asked.get(b, 0) + 1  # steps since the last probe
             spec, plain = self.rate[(b, True)], self.rate[(b, False)]
             spec_wins = spec >= plain
-            probe = self.asked[b] >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
+            probe = sampled and self.asked[b] >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
             if probe:
                 self.asked[b] = 0
             draft = spec_wins != probe
@@ -386,8 +408,13 @@ class LengthPolicy:
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
 
-    def should_draft(self, contexts: list[int]) -> bool:
-        """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always)."""
+    def wants_cycle(self, batch_size: int) -> bool:
+        """Whether hybridspec's gate wants the next step's cycle timed (SpeculationGate.wants_sample)."""
+        return self.gate is not None and self.gate.wants_sample(batch_size)
+
+    def should_draft(self, contexts: list[int], sampled: bool = True) -> bool:
+        """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always);
+        `sampled`: whether the step's cycle is timed."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
         b = len(contexts)
@@ -395,7 +422,7 @@ class LengthPolicy:
         # own sum over layers x experts is ~0.3 ms of Python, every step)
         experts = self._distinct_upto(b)[b] if self.num_moe_layers else 0.0
         plain_ms = self.latency.predict_features([1.0, float(b), experts, float(b), float(sum(contexts))])
-        return self.gate.should_draft(b, 1.0 / plain_ms if plain_ms > 0 else None)  # per request
+        return self.gate.should_draft(b, 1.0 / plain_ms if plain_ms > 0 else None, sampled)  # per request
 
     def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float,
                         forward_ms: float | None = None) -> float | None:

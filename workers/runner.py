@@ -95,6 +95,7 @@ class _StepEnds:
     GAP_MS = 5.0
     MAX_PENDING = 4
     RING = 32
+    THIN: bool | None = None  # None: thin on CUDA only (tests set True to run the thinning on the host clock)
 
     def __init__(self, device: torch.device, clock=time.perf_counter, new_event=None):
         self.cuda, self.clock = device.type == "cuda" or new_event is not None, clock
@@ -103,6 +104,8 @@ class _StepEnds:
         self.next = 0  # marks made
         self.stamp: dict[int, int] = {}  # id(event) -> the mark that last recorded it
         self.dropped = 0  # cycles whose events were re-recorded before the device passed them (never read)
+        # steps the gate does not sample make no marks (on CUDA; the host clock's marks cost nothing)
+        self.thin = self.cuda if self.THIN is None else self.THIN
         self.resume: tuple | None = None  # (marker, host time) where the last step returned
         self.last_end: tuple | None = None  # (end marker, drafted or None) of the last step
         # (start marker, end marker, sample, (previous end marker, its drafted), the markers' stamps) of cycles not
@@ -178,9 +181,16 @@ class _StepEnds:
         self.resume = None
         return self._resolve()
 
-    def resumed(self) -> None:
-        """At the very end of a step: the next step's cycle starts here."""
-        self.resume = (self.mark(), self.clock())
+    @property
+    def sampling(self) -> bool:
+        """Whether the current step's cycle is timed: where the last step marked its return (on CUDA, see
+        resumed), always on the host clock."""
+        return not self.thin or self.resume is not None
+
+    def resumed(self, sample_next: bool = True) -> None:
+        """At the very end of a step: the next step's cycle starts here. On CUDA (`thin`) a next step the gate
+        does not sample gets no marks at all (SpeculationGate.SAMPLE_EVERY)."""
+        self.resume = (self.mark(), self.clock()) if sample_next or not self.thin else None
 
 
 class ModelRunner:
@@ -353,7 +363,7 @@ class ModelRunner:
                 if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0]
         decode_only = all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
         if spec and self.drafter is not None and decode_only and \
-                not self.policy.should_draft([r.context_len for r in requests]):
+                not self.policy.should_draft([r.context_len for r in requests], self._ends.sampling):
             spec = []  # hybridspec's gate: plain decoding measured faster than speculation at this batch size
         if self.drafter is not None and self.policy.name != "ar" and spec:
             cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
@@ -482,7 +492,7 @@ class ModelRunner:
         step_ms = (time.perf_counter() - start) * 1e3  # before the routing-statistics fold below (it must not
         # land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
-        end, ended = (self._ends.mark(), self._ends.clock()) if gated else (None, 0.0)
+        end, ended = (self._ends.mark(), self._ends.clock()) if gated and self._ends.sampling else (None, 0.0)
         # what the learning reads of the device is copied now (the next replay overwrites graph outputs); the
         # learning itself waits for the next step's forward launch where deferred
         learning = (self.policy, self.drafter.name if self.drafter is not None else None, StepObservation(
@@ -507,7 +517,7 @@ class ModelRunner:
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
         if gated:
-            self._ends.resumed()
+            self._ends.resumed(self.policy.wants_cycle(len(requests)))
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
