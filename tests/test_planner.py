@@ -700,15 +700,14 @@ def _tiny_served(new: int, conc: int = 2, page_size: int = 16):
     return model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model
 
 
-def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
-    """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
-    always wrong (and whose forward costs time, as e2e's DFlash-shaped one: a free drafter with plans of length 0
-    makes a drafted step cost what a plain one does, and the gate's two sides tie), hybridspec's gate measures
-    plain decoding faster and stops drafting except for probes; the output stays the greedy output."""
+def _served_with_wrong_drafts(new: int):
+    """_tiny_served's runner serving hybridspec with a replay drafter whose drafts are always wrong and whose
+    forward costs time (e2e's DFlash-shaped one); its output checked against the greedy output.
+    -> (runner, prompts, greedy, page_size, num_pages, serve, the run's result)."""
     from workers.drafters import DraftModelDrafter, ReplayDrafter
 
-    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(80)
-    cfg, conc, new = model.config, len(prompts), 80
+    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(new)
+    cfg, conc = model.config, len(prompts)
     cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, conc)
     replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3, cost_model=cost)
     for p, cont in zip(prompts, greedy):
@@ -716,6 +715,15 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     runner.drafter = replay
     res = serve(runner, prompts, new, 8, page_size, num_pages, "hybridspec")
     assert res.tokens == greedy
+    return runner, prompts, greedy, page_size, num_pages, serve, res
+
+
+def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
+    """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
+    always wrong (and whose forward costs time, as e2e's DFlash-shaped one: a free drafter with plans of length 0
+    makes a drafted step cost what a plain one does, and the gate's two sides tie), hybridspec's gate measures
+    plain decoding faster and stops drafting except for probes; the output stays the greedy output."""
+    runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80)
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
     assert gate.own.get((2, True), 0) >= 1 and gate.own.get((2, False), 0) >= 1  # the runner fed it both sides
@@ -740,7 +748,6 @@ def test_gate_thinning_times_only_sampled_steps_and_keeps_its_probes(monkeypatch
     SAMPLE_EVERY-th step and every probe is timed (an untimed step never probes); unmeasured buckets always. End to
     end (the runner's _StepEnds thinned on the host clock): an untimed step makes no mark, the output stays the
     greedy output, and the gate learns from about a quarter of the steps where plain decoding wins."""
-    from workers.drafters import DraftModelDrafter, ReplayDrafter
     from workers.policy import SpeculationGate
     from workers.runner import _StepEnds
 
@@ -766,15 +773,7 @@ def test_gate_thinning_times_only_sampled_steps_and_keeps_its_probes(monkeypatch
     marks = []
     real_mark = _StepEnds.mark
     monkeypatch.setattr(_StepEnds, "mark", lambda self: marks.append(1) or real_mark(self))
-    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(80)
-    cfg, conc, new = model.config, len(prompts), 80
-    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, conc)
-    replay = ReplayDrafter(0.0, cfg.vocab_size, seed=3, cost_model=cost)  # drafts always wrong: plain wins
-    for p, cont in zip(prompts, greedy):
-        replay.set_reference(p, cont + [0] * 20)
-    runner.drafter = replay
-    res = serve(runner, prompts, new, 8, page_size, num_pages, "hybridspec")
-    assert res.tokens == greedy
+    runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80)  # plain wins
     g = runner.policy.gate
     learned = sum(g.own.values())
     assert g.own.get((2, False), 0) >= 1 and learned < 0.6 * res.steps, (learned, res.steps)
