@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
     args, rest = ap.parse_known_args()
     if args.force_plain:
-        policy.SpeculationGate.should_draft = lambda self, batch_size, plain_hint=None: False
+        policy.SpeculationGate.should_draft = lambda self, *args, **kwargs: False
     phases = Phases()
     phases.install()
     sys.argv = ["e2e.py"] + rest
