@@ -72,7 +72,8 @@ def main() -> None:
             row["torch_us"] = graph_time([lambda w=w: router_logits_ref(x, w) for w in weights])
         rows.append(row)
         print(json.dumps(row))
-    bad = [r["N"] for r in rows if max(v for k, v in r.items() if k.endswith("rel_err")) > (1e-5 if args.tiny else 1e-3)]
+    tol = 1e-5 if args.tiny else 1e-3
+    bad = [r["N"] for r in rows if max(v for k, v in r.items() if k.endswith("rel_err")) > tol]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "router_logits.json").write_text(json.dumps({"rows": rows, "bad": bad}, indent=1))
     if not args.tiny:

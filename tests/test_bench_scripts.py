@@ -1,7 +1,8 @@
 """The GPU-session bench scripts run end to end in their --tiny CPU mode (a broken script would waste device
 time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
-time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the MoE's tile
-candidates, each checked against the reference), bench/host_phases.py (host time by part without a profiler) and bench/router_logits.py (the router's two logits kernels)."""
+time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the
+MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
+profiler) and bench/router_logits.py (the router's two logits kernels)."""
 
 from __future__ import annotations
 

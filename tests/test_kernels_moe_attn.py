@@ -22,7 +22,8 @@ TOL = 1e-4  # fp32 under the interpreter: relative error ||out - ref|| / ||ref||
 
 CASES = [
     "router_logits_1", "router_logits_5", "router_logits_16", "router_logits_17", "router_logits_64",
-    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_4", "router_logits_routing",
+    "router_logits_65_fallback", "router_logits_strided", "router_logits_row_stride", "router_logits_4",
+    "router_logits_routing",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
     "align_mask", "align_all_masked", "align_one_expert_many_blocks",

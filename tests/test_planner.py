@@ -502,8 +502,9 @@ def test_speculation_gate_rates_are_tokens_over_time_and_probes_spread_with_the_
     assert gate.probe_spacing(4, 0.85, 1.0, False) == 3 * P
     assert gate.probe_spacing(4, 1.0, 0.5, False) == SpeculationGate.MAX_SPACING * P
     assert gate.probe_spacing(4, 1.0, 0.97, True) == SpeculationGate.MAX_SPACING * P
-    # through should_draft with noisy cycles (small enough that a probe never turns the verdict): every probe comes probe_spacing steps after the last one (a modulus
-    # of a spacing that moves with the rates gave gaps from 1 to ~6x the spacing)
+    # through should_draft with noisy cycles (small enough that a probe never turns the verdict): every probe comes
+    # probe_spacing steps after the last one (a modulus of a spacing that moves with the rates gave gaps from 1 to
+    # ~6x the spacing)
     import random
     rnd = random.Random(0)
     for loser in (0.9, 0.8):

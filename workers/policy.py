@@ -122,11 +122,11 @@ class SpeculationGate:
     """hybridspec speculates only where it pays, measured on whole step cycles (the runner's _StepEnds: drafting,
     verification, acceptance, the commit's device time and the loop between steps, which the latency model's
     forward times leave out): per batch-size bucket the output tokens per ms per request of decode steps with
-    drafts and of plain decode steps (a ratio of EWMAs: tokens over ms). It drafts unless the speculative side is measured
-    slower, and probe_spacing steps after its last probe it tries the losing side so that a change of acceptance or load is
-    seen (PROBE steps apart, more the farther the loser is behind). Each side is measured MIN_SAMPLES times first
-    (speculative first). A drafted step's tokens are the plan's expected tokens (LengthPolicy.observe_outcome),
-    which vary far less from step to step than accepted lengths.
+    drafts and of plain decode steps (a ratio of EWMAs: tokens over ms). It drafts unless the speculative side is
+    measured slower, and probe_spacing steps after its last probe it tries the losing side so that a change of
+    acceptance or load is seen (PROBE steps apart, more the farther the loser is behind). Each side is measured
+    MIN_SAMPLES times first (speculative first). A drafted step's tokens are the plan's expected tokens
+    (LengthPolicy.observe_outcome), which vary far less from step to step than accepted lengths.
 
     Two rules keep the exploration cheap (bench/NOTES.md: short runs and the buckets met as requests finish paid
     three plain steps each, and a plain probe every 16 steps cost ~3% where speculation wins 3x):
@@ -143,9 +143,10 @@ class SpeculationGate:
       leaving one by one, a few steps each) took the full batch's plain verdict and never probed speculation:
       at c=16 / 0.5 (8c8e258) buckets 1-8 decoded plain while c=1 and c=4 measure speculation 1.14x ar.
     The first drafted step after plain ones pays the drafter's catch-up on the tokens it did not draft (c=64 / 0.5,
-    dce2f83); the ratio of EWMAs weighs that slow cycle by its time (an EWMA of the rates hardly saw it). A 10% margin before a
-    bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed: no gain at
-    c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16% (bench/NOTES.md)."""
+    dce2f83); the ratio of EWMAs weighs that slow cycle by its time (an EWMA of the rates hardly saw it). A 10%
+    margin before a bucket on plain decoding went back to speculation was measured (c7dea79, 06d7c05) and removed:
+    no gain at c=64/0.5, and at c=1/0.5 it held plain for 25% of the steps where speculation led by 16%
+    (bench/NOTES.md)."""
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, GAP_UNIT, MAX_SPACING = 16, 0.25, 3, 1.2, 0.05, 4
     # cycles sampled on a measured bucket's winning side: every SAMPLE_EVERY-th step (probes and unmeasured buckets
@@ -267,7 +268,7 @@ class SpeculationGate:
         self.samples[key] = self.samples.get(key, 0) + 1
         self.own[key] = self.own.get(key, 0) + 1
         pooled = self.pooled.setdefault(key, [0.0, 0.0])  # the diagnostic's pooled rate: sums, not an EWMA
-        pooled[0] += tokens / max(1, batch_size)
+        pooled[0] += tok
         pooled[1] += step_ms
 
     def speculative_share(self) -> float:
@@ -312,10 +313,10 @@ class StepObservation:
 class LengthPolicy:
     def __init__(self, name: str, config: ModelConfig, max_verify_len: int = 16,
                  device: torch.device | str = "cpu"):
+        """`device`: the model's (unused since the policy's tables moved to the host; kept for its callers)."""
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         self.name, self.max_verify_len = name, max_verify_len
-        self.device = torch.device(device)  # the model's (DeviceReadback copies from it; the tables are host-side)
         self.num_moe_layers = sum(config.moe_layers)
         self.estimator = ExpertEstimator(max(self.num_moe_layers, 1), max(config.num_experts, 1),
                                          max(config.num_experts_per_tok, 1))
