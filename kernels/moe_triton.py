@@ -50,7 +50,8 @@ def _router_logits_kernel(
     BLOCK_N: tl.constexpr,  # >= N (one program covers every token)
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (not tf32)
+    DOT: tl.constexpr,  # tl.dot tiles (>= 16 experts wide); else fp32 products and sums on the CUDA cores
+    IEEE: tl.constexpr,  # with DOT, fp32 inputs: full-precision dots (not tf32)
 ):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     n = tl.arange(0, BLOCK_N)
@@ -62,40 +63,13 @@ def _router_logits_kernel(
                     mask=(n < N)[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :],
                     mask=(e < E)[:, None] & kmask[None, :], other=0.0)  # [BE, BK]
-        if IEEE:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        if DOT:
+            if IEEE:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)  # bf16 x bf16 products are exact in fp32
         else:
-            acc = tl.dot(a, tl.trans(w), acc)  # bf16 x bf16 products are exact in fp32
-    tl.store(out_ptr + n[:, None].to(tl.int64) * E + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
-
-
-@triton.jit
-def _router_logits_gemv_kernel(
-    x_ptr,  # [N, H]
-    w_ptr,  # [E, H]
-    out_ptr,  # [N, E] float32
-    N,
-    E,
-    H,
-    stride_xn,
-    stride_we,
-    BLOCK_N: tl.constexpr,  # >= N (one program covers every token)
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """_router_logits_kernel for a few tokens without tl.dot (whose tiles are >= 16 experts wide): products and sums
-    in fp32 on the CUDA cores, BLOCK_E experts a program, so the 256 experts' rows spread over ~all SMs."""
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    n = tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kmask = (k0 + k) < H
-        a = tl.load(x_ptr + n[:, None].to(tl.int64) * stride_xn + (k0 + k)[None, :],
-                    mask=(n < N)[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BN, BK]
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :],
-                    mask=(e < E)[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BE, BK]
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)  # [BN, BE]
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BN, BE]
     tl.store(out_ptr + n[:, None].to(tl.int64) * E + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
 
 
@@ -121,14 +95,14 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
         block_n = triton.next_power_of_2(n)
         block_e = ROUTER_GEMV_BLOCK_E
         block_k = 512  # [BN <= 4, BE, BK] products in registers (bench/router_logits.py sizes larger N apart)
-        _router_logits_gemv_kernel[(triton.cdiv(e, block_e),)](
+        _router_logits_kernel[(triton.cdiv(e, block_e),)](
             x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=block_n, BLOCK_E=block_e,
-            BLOCK_K=block_k, num_warps=4)
+            BLOCK_K=block_k, DOT=False, IEEE=False, num_warps=4)
         return out
     block_e = 16
     _router_logits_kernel[(triton.cdiv(e, block_e),)](
         x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=max(16, triton.next_power_of_2(n)),
-        BLOCK_E=block_e, BLOCK_K=128, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+        BLOCK_E=block_e, BLOCK_K=128, DOT=True, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
     return out
 
 

@@ -106,22 +106,25 @@ def _checks() -> dict:
 
         launched = []
 
-        class Spy:
-            def __init__(self, kernel, name):
-                self.kernel, self.name = kernel, name
+        class Spy:  # records the DOT flag of each launch
+            def __init__(self, kernel):
+                self.kernel = kernel
 
             def __getitem__(self, grid):
-                launched.append(self.name)
-                return self.kernel[grid]
+                def launch(*args, **kw):
+                    launched.append("dot" if kw["DOT"] else "gemv")
+                    return self.kernel[grid](*args, **kw)
 
-        real = MT._router_logits_gemv_kernel, MT._router_logits_kernel
-        MT._router_logits_gemv_kernel, MT._router_logits_kernel = Spy(real[0], "gemv"), Spy(real[1], "dot")
+                return launch
+
+        real = MT._router_logits_kernel
+        MT._router_logits_kernel = Spy(real)
         try:
             w = torch.randn(40, 200)
             for n in (1, MT.ROUTER_GEMV_MAX_N, MT.ROUTER_GEMV_MAX_N + 1, 64, 65):
                 MT.router_logits_triton(torch.randn(n, 200), w)
         finally:
-            MT._router_logits_gemv_kernel, MT._router_logits_kernel = real
+            MT._router_logits_kernel = real
         want = ["gemv", "gemv", "dot", "dot"]  # 65 tokens: cuBLAS, no Triton launch
         return 0.0 if launched == want else f"kernels launched {launched}, want {want}"
 
