@@ -92,6 +92,10 @@ class RunResult:
     # where requests that finished early have left, is not in them)
     full_tokens: int = 0
     full_s: float = 0.0
+    # host time between consecutive decode steps (the loop's scheduling and bookkeeping, outside runner.execute and
+    # its sync: decode_s leaves it out) and how many such gaps
+    between_s: float = 0.0
+    between_gaps: int = 0
 
 
     def row(self) -> dict:
@@ -101,6 +105,10 @@ class RunResult:
             "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
             "full_batch_tokens_per_s": self.full_tokens / self.full_s if self.full_s else 0.0,
             "full_batch_step_share": self.full_s / self.decode_s if self.decode_s else 0.0,
+            "between_steps_ms_mean": self.between_s * 1e3 / self.between_gaps if self.between_gaps else 0.0,
+            # the decode phase with the host's time between its steps (what a serving loop's clock sees)
+            "decode_with_between_tokens_per_s": (self.decode_tokens / (self.decode_s + self.between_s)
+                                                 if self.decode_s else 0.0),
             "capture_steps": self.captures,
             "eager_decode_steps": self.eager_steps,
             "drafted_width_steps": dict(sorted(self.draft_widths.items())),
@@ -191,6 +199,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    between_s, between_gaps, last = 0.0, 0, None  # last: where the previous decode step's sync returned
     sync()
     start = time.perf_counter()
     while sched.has_work():
@@ -210,6 +219,9 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         elif getattr(runner, "last_step_eager", False):  # reported: an eager decode step is ~10x a graphed one
             eager += 1
         decode_step = prefill_steps[-1:] != [len(step_ms) - 1]
+        if decode_step and last is not None:
+            between_s, between_gaps = between_s + (t0 - last), between_gaps + 1
+        last = now if decode_step else None
         if decode_step and getattr(runner, "last_draft_width", 0):
             widths[runner.last_draft_width] = widths.get(runner.last_draft_width, 0) + 1
         steps += 1
@@ -236,7 +248,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                      [ms for i, ms in enumerate(step_ms) if i not in pre], tpot, tally.draft, tally.accepted,
                      tally.verified,
                      [r.output_ids for r in reqs], decode_tokens, decode_s, captures,
-                     [t for i, t in enumerate(step_tokens) if i not in pre], eager, widths, full_tokens, full_s)
+                     [t for i, t in enumerate(step_tokens) if i not in pre], eager, widths, full_tokens, full_s,
+                     between_s, between_gaps)
 
 
 def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,
@@ -279,7 +292,8 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         eager_steps=sum(r.eager_steps for r in runs),
         draft_widths={w: sum(r.draft_widths.get(w, 0) for r in runs)
                       for w in {w for r in runs for w in r.draft_widths}},
-        full_tokens=sum(r.full_tokens for r in runs), full_s=sum(r.full_s for r in runs))
+        full_tokens=sum(r.full_tokens for r in runs), full_s=sum(r.full_s for r in runs),
+        between_s=sum(r.between_s for r in runs), between_gaps=sum(r.between_gaps for r in runs))
 
 
 def run_rates(runs: list[RunResult]) -> list[float]:
@@ -519,6 +533,9 @@ def main() -> None:
                 if full_ar and row["full_batch_tokens_per_s"]:  # the same over the steps that ran the whole batch
                     # (the closed batch's tail left out)
                     row["full_batch_speedup_vs_ar"] = row["full_batch_tokens_per_s"] / full_ar
+                if ar_cell.get("decode_with_between_tokens_per_s"):  # with the host's time between steps
+                    row["with_between_speedup_vs_ar"] = (row["decode_with_between_tokens_per_s"]
+                                                         / ar_cell["decode_with_between_tokens_per_s"])
                 row.update(policy_report(learned[policy], policy, conc))
                 rows.append(row)
                 dump(args.out, meta, rows)

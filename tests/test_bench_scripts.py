@@ -140,6 +140,11 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         # the steps that ran both requests (the closed batch's tail left out): a share of the decode time
         assert row["full_batch_tokens_per_s"] > 0 and 0 < row["full_batch_step_share"] <= 1
         assert row["full_batch_speedup_vs_ar"] == row["full_batch_tokens_per_s"] / cell_ar["full_batch_tokens_per_s"]
+        # the host's time between decode steps, outside decode_s: with it the rate is lower
+        assert row["between_steps_ms_mean"] > 0
+        assert 0 < row["decode_with_between_tokens_per_s"] < row["decode_tokens_per_s"]
+        assert row["with_between_speedup_vs_ar"] == (row["decode_with_between_tokens_per_s"]
+                                                     / cell_ar["decode_with_between_tokens_per_s"])
         if policy == "fixed4":  # 4 drafts asked, fewer near a request's end (the scheduler's cap)
             assert max(widths) == 4 and widths[4] >= max((n for w, n in widths.items() if w != 4), default=0)
     assert 0 < cell_ar["full_batch_step_share"] <= 1

@@ -473,6 +473,21 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
 
+def test_speculation_gate_margin_gives_near_ties_to_plain_decoding(monkeypatch):
+    """SPEC_MARGIN: speculation must beat plain decoding's rate by that fraction to win a measured bucket."""
+    from workers.policy import SpeculationGate
+
+    def share(margin: float) -> float:
+        monkeypatch.setattr(SpeculationGate, "SPEC_MARGIN", margin)
+        gate = SpeculationGate()
+        for _ in range(300):
+            draft = gate.should_draft(8)
+            gate.observe(8, draft, 8 * 1.55 if draft else 8, 15.0 if draft else 10.0)  # speculation 3% ahead
+        return gate.speculative_share()
+
+    assert share(0.0) > 0.9 and share(0.06) < 0.1
+
+
 def test_speculation_gate_rates_are_tokens_over_time_and_probes_spread_with_the_gap():
     """A side's rate is a ratio of EWMAs, tokens over ms: steps of 10 and 30 ms with one token each give 1/20 token
     per ms after many alternations (an EWMA of the rates would say (1/10 + 1/30) / 2 = 1/15), and steps of (1

@@ -150,9 +150,15 @@ class SpeculationGate:
 
     PROBE, ALPHA, MIN_SAMPLES, HINT_MARGIN, GAP_UNIT, MAX_SPACING = 16, 0.25, 3, 1.2, 0.05, 4
     # cycles sampled on a measured bucket's winning side: every SAMPLE_EVERY-th step (probes and unmeasured buckets
-    # always). 1: every step. The runner marks no CUDA event on an unsampled step (the marks, the cycle's read
-    # and the next step's start cost ~0.09 ms of a 13 ms plain step at c=64, bench/NOTES.md); not measured yet
-    SAMPLE_EVERY = 1
+    # always). The runner marks no CUDA event on an unsampled step (the marks, the cycle's read and the next step's
+    # start cost ~0.09 ms of a 13 ms plain step at c=64). A/B on the H200 (90cd570, 3 runs a cell): 4 against 1
+    # gave c=64/0.5 0.973 vs 0.958x ar, c=16/0.5 1.006 vs 0.997, c=1/0.85 2.895 vs 2.882 (bench/NOTES.md)
+    SAMPLE_EVERY = 4
+    # speculation wins a measured bucket only when its rate beats plain decoding's by this fraction (ties would go
+    # to plain decoding). A/B at 0 / 0.03 / 0.06 (90cd570, 2 runs a cell): c=64/0.5 0.937 / 0.955 / 0.974x ar,
+    # c=64/0.7 1.251 / 1.259 / 1.291, c=16/0.5 0.989 / 0.978 / 0.982, c=16/0.7 1.364 / 1.364 / 1.340: within the
+    # runs' spread (c=64/0.7, where the margin cannot bind, moved 3%), so 0
+    SPEC_MARGIN = 0.0
 
     def __init__(self) -> None:
         # (bucket, drafted) -> output tokens per ms per request, the EWMA of its tokens over the EWMA of its ms (per
@@ -222,7 +228,7 @@ class SpeculationGate:
         else:
             self.asked[b] = self.asked.get(b, 0) + 1  # steps since the last probe
             spec, plain = self.rate[(b, True)], self.rate[(b, False)]
-            spec_wins = spec >= plain
+            spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
             probe = sampled and self.asked[b] >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
             if probe:
                 self.asked[b] = 0
