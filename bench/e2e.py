@@ -306,7 +306,13 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
     the measured step overhead, the router correction's keep counts, hybridspec's cost table and profile scale."""
     row: dict = {}
     err = policy.latency.error_stats()  # prequential: each step predicted before it ran
-    row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct}
+    row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct,
+                                      "max": err.max_abs_pct}
+    # the worst samples (of every step the model observed, the warm-up's included): [abs %, index, predicted ms,
+    # measured ms, features]
+    row["latency_model_worst"] = [[round(v, 4) if isinstance(v, float) else v for v in w[:4]] + [w[4]]
+                                  for w in policy.latency.worst]
+    row["latency_model_observed"] = policy.latency.observed
     if policy.latency.coefs is not None:
         row["latency_coefs"] = dataclasses.asdict(policy.latency.coefs)
     if policy.gate is not None:

@@ -166,6 +166,8 @@ class LatencyModel:
     `refit_every` samples (a 5x5 problem: cheap).
     """
 
+    WORST = 4
+
     def __init__(self, coefs: LatencyCoefs | None = None, estimator: "ExpertEstimator | None" = None,
                  window: int = 512, refit_every: int = 16, min_samples: int = 8, relative: bool = True):
         self.coefs = coefs
@@ -177,6 +179,10 @@ class LatencyModel:
         self.errors: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted, measured), prequential
         self.refit_every, self.min_samples, self.relative = refit_every, min_samples, relative
         self._since_fit = 0
+        self.observed = 0  # samples observed online
+        # a diagnostic: the WORST samples by prequential error, as (abs error %, observe index, predicted ms,
+        # measured ms, features), largest first (a mean of abs % is led by a few of them)
+        self.worst: list[tuple[float, int, float, float, list[float]]] = []
 
     @property
     def fitted(self) -> bool:
@@ -251,8 +257,15 @@ class LatencyModel:
     def observe(self, comp: StepComposition, measured_ms: float) -> None:
         """Online refinement from one measured step (observed expert counts preferred)."""
         x = self.features(comp)
+        self.observed += 1
         if self.coefs is not None:
-            self.errors.append((self.predict_features(x), float(measured_ms)))
+            predicted = self.predict_features(x)
+            self.errors.append((predicted, float(measured_ms)))
+            if measured_ms != 0:
+                pct = abs(predicted - measured_ms) / abs(measured_ms) * 100.0
+                if len(self.worst) < self.WORST or pct > self.worst[-1][0]:
+                    self.worst.append((pct, self.observed, predicted, float(measured_ms), list(x)))
+                    self.worst = sorted(self.worst, key=lambda w: -w[0])[:self.WORST]
         self.samples.append((x, float(measured_ms)))
         self._since_fit += 1
         if self.num_samples >= self.min_samples and (self.coefs is None or self._since_fit >= self.refit_every):

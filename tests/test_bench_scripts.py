@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -140,6 +142,10 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         # the steps that ran both requests (the closed batch's tail left out): a share of the decode time
         assert row["full_batch_tokens_per_s"] > 0 and 0 < row["full_batch_step_share"] <= 1
         assert row["full_batch_speedup_vs_ar"] == row["full_batch_tokens_per_s"] / cell_ar["full_batch_tokens_per_s"]
+        if policy == "hybridspec-lean":  # the latency model's worst samples: [abs %, index, predicted, measured, x]
+            worst = row["latency_model_worst"]
+            assert worst and worst[0][0] == pytest.approx(row["latency_model_error_pct"]["max"], rel=1e-3)
+            assert 0 < worst[0][1] <= row["latency_model_observed"] and len(worst[0][4]) == 5
         # the host's time between decode steps, outside decode_s: with it the rate is lower
         assert row["between_steps_ms_mean"] > 0
         assert 0 < row["decode_with_between_tokens_per_s"] < row["decode_tokens_per_s"]

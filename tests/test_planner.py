@@ -76,6 +76,13 @@ def test_latency_model_fit_recovers_coefficients_and_reports_error():
     for comp, ms in train[:200]:
         online.observe(comp, ms)
     assert online.fitted and online.error_stats().n == 200 - online.min_samples
+    # the worst samples are kept, largest error first, with their observe index and features
+    glitch = train[200][0]
+    online.observe(glitch, 0.01 * true_ms(glitch))  # a measurement 100x too small
+    assert online.observed == 201 and len(online.worst) == LatencyModel.WORST
+    assert online.worst[0][1] == 201 and online.worst[0][0] > 5000 and online.worst[0][3] == 0.01 * true_ms(glitch)
+    assert [w[0] for w in online.worst] == sorted((w[0] for w in online.worst), reverse=True)
+    assert online.worst[0][0] == pytest.approx(online.error_stats().max_abs_pct)
     slower = LatencyCoefs(**{**TRUE.__dict__, "ms_per_expert": 3 * TRUE.ms_per_expert})
     for comp in (random_composition(rng, 10) for _ in range(600)):
         online.observe(comp, true_ms(comp, slower))
