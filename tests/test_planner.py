@@ -90,6 +90,31 @@ def test_latency_model_fit_recovers_coefficients_and_reports_error():
     assert online.evaluate((c, true_ms(c, slower)) for c, _ in held).mean_abs_pct < 1.0
 
 
+def test_latency_model_leaves_out_what_the_profile_holds_fixed():
+    """A start-up profile at one batch size holds the request count and each request's context fixed (here 8
+    tokens, one request): those features cannot be told from the constant, get no weight, and serving's longer
+    contexts are predicted from the constant (before, the fit's minimum-norm split put part of the constant on
+    the context, and c=1 steps at 30x the profile's context were predicted at ~12x their time). At several batch
+    sizes the profile's context is a multiple of the request count: the context still gets no weight."""
+    for sizes in ([1], [1, 4, 16]):
+        model = LatencyModel()
+        for b in sizes:
+            for t in (1, 2, 4, 8, 12, 17):
+                comp = StepComposition([t] * b, [8] * b, num_moe_layers=10, distinct_experts_per_layer=[4 * t] * 10)
+                model.anchor(comp, true_ms(comp))
+        coefs = model.fit()
+        assert coefs.ms_per_context_token == 0.0 and (coefs.ms_per_request == 0.0) == (sizes == [1])
+        for b in sizes:
+            serving = StepComposition([16] * b, [286] * b, num_moe_layers=10, distinct_experts_per_layer=[64] * 10)
+            assert model.predict(serving) == pytest.approx(true_ms(serving), rel=0.05)
+    # online samples that vary the context identify its coefficient
+    rng = random.Random(1)
+    for _ in range(64):
+        comp = random_composition(rng, 10)
+        model.observe(comp, true_ms(comp))
+    assert model.coefs.ms_per_context_token == pytest.approx(TRUE.ms_per_context_token, rel=0.05)
+
+
 def test_latency_model_nonnegative_and_estimated_experts():
     rng = random.Random(1)
     no_ctx = LatencyCoefs(const_ms=1.0, ms_per_token=0.01, ms_per_expert=0.002, ms_per_request=0.0)
