@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from scheduler.memory import MemoryManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
-from scheduler.types import SamplingParams, StepRequest  # noqa: E402
+from scheduler.types import SamplingParams  # noqa: E402
 from workers.bench_model import build_bench_model, qwen36_35b_a3b_config  # noqa: E402
 from workers.cache import ModelCache  # noqa: E402
 from workers.config import ModelConfig  # noqa: E402
@@ -136,17 +136,6 @@ def step_ms_by_tokens(tokens: list[int], ms: list[float], max_bins: int = 24) ->
     return {b: [len(v), statistics.median(v)] for b, v in sorted(bins.items())}
 
 
-def step_requests(plan, memory: MemoryManager) -> list[StepRequest]:
-    """The worker's view of a scheduled step: one StepRequest per chunk (tokens, pages, slot, draft cap)."""
-    work = []
-    for c in plan.chunks:
-        t = memory.table(c.request.request_id)
-        work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens], c.start,
-                                list(t.pages), t.slot, c.completes, c.request.params, c.draft_cap,
-                                c.request.all_ids if c.draft_cap else []))
-    return work
-
-
 @dataclasses.dataclass
 class Tally:
     """Drafted and accepted tokens and verified requests over a run."""
@@ -204,7 +193,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     start = time.perf_counter()
     while sched.has_work():
         plan = sched.schedule()
-        work = step_requests(plan, memory)
+        work = sched.step_requests(plan)
         t0 = time.perf_counter()
         result = runner.execute(work)
         sync()
@@ -306,10 +295,11 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
     the measured step overhead, the router correction's keep counts, hybridspec's cost table and profile scale."""
     row: dict = {}
     err = policy.latency.error_stats()  # prequential: each step predicted before it ran
+    # over the model's last `window` (512) samples
     row["latency_model_error_pct"] = {"n": err.n, "mean": err.mean_abs_pct, "p90": err.p90_abs_pct,
                                       "max": err.max_abs_pct}
-    # the worst samples (of every step the model observed, the warm-up's included): [abs %, index, predicted ms,
-    # measured ms, features]
+    # the worst samples of every step the model observed (the warm-up's included, beyond the window): [abs %,
+    # index, predicted ms, measured ms, features]
     row["latency_model_worst"] = [[round(v, 4) if isinstance(v, float) else v for v in w[:4]] + [w[4]]
                                   for w in policy.latency.worst]
     row["latency_model_observed"] = policy.latency.observed

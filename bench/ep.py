@@ -218,7 +218,7 @@ class Rank:
         from scheduler.memory import MemoryManager
         from scheduler.request import Request
         from scheduler.scheduler import Scheduler
-        from bench.e2e import Tally, apply_step, step_requests
+        from bench.e2e import Tally, apply_step
         from scheduler.types import SamplingParams, StepResult
         from workers.expert_parallel import comm_ms, execute_rank, step_rows_bound
 
@@ -241,7 +241,7 @@ class Rank:
         start = time.perf_counter()
         while sched.has_work():
             plan = sched.schedule()
-            work = step_requests(plan, memory)
+            work = sched.step_requests(plan)
             t0 = time.perf_counter()
             if self.ep:
                 per_rank = [[w for w in work if owner[w.request_id] == r] for r in range(self.world)]

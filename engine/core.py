@@ -17,7 +17,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_
 from scheduler.memory import MemoryManager
 from scheduler.request import Request, RequestStats
 from scheduler.scheduler import Scheduler
-from scheduler.types import InvalidRequest, SamplingParams, StepRequest
+from scheduler.types import InvalidRequest, SamplingParams
 from workers.cache import ModelCache
 from workers.config import ModelConfig
 from engine.executor import EXECUTORS, WorkerSpec, create_executor
@@ -182,13 +182,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
-        work = []
-        for c in plan.chunks:
-            table = self.memory.table(c.request.request_id)
-            work.append(StepRequest(c.request.request_id, c.request.all_ids[c.start:c.start + c.num_tokens],
-                                    c.start, list(table.pages), table.slot, c.completes, c.request.params,
-                                    c.draft_cap, c.request.all_ids if c.draft_cap else []))
-        result = self.executor.execute(work)
+        result = self.executor.execute(self.scheduler.step_requests(plan))
         if result.policy_stats:
             self.policy_stats = result.policy_stats
         self.scheduler.commit(plan, result.accepted_tokens)

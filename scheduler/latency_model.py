@@ -163,26 +163,32 @@ COLLINEAR_TOL = 1e-3  # a column whose weighted residual on the earlier kept one
 
 def identifiable_columns(xs: np.ndarray, w: np.ndarray) -> list[int]:
     """Columns of xs [R, n] (FEATURES order: const first, context last) the rows can tell apart: each in turn is
-    kept unless the kept earlier columns explain it (weighted residual <= COLLINEAR_TOL of its norm). A dropped
+    kept unless the earlier columns explain it (weighted residual <= COLLINEAR_TOL of its norm: |R[k, k]| of a
+    QR without pivoting, the residual on every earlier column, whose span the kept ones already give). A dropped
     feature gets no weight until samples vary it apart from the others. The start-up profile at one batch size
     holds the request count and each request's context fixed: without this the fit split the constant between
     const, requests and context (the tiny ridge's minimum-norm split), and serving's ~30x longer contexts
-    predicted c=1 steps at ~12x their time until the first online refit (dc9b6bc on the H200: 42-67 ms
-    predicted for 4-6.5 ms steps, the mean prequential error 28-58% at c=1, acceptance 0.85-0.95)."""
+    predicted c=1 steps at ~12x their time until the first online refit (dc9b6bc on the H200: 43-67 ms
+    predicted for 3.9-6.6 ms steps; the mean prequential error at c=1, acceptance 0.85-0.95 was 53-114%). With
+    nothing to keep (no finite row of positive weight) the constant alone."""
     sw = np.sqrt(w)[:, None] * xs  # [R, n]
+    norms = np.linalg.norm(sw, axis=0)  # [n]
+    diag = np.abs(np.diag(np.linalg.qr(sw, mode="r"))) if sw.shape[0] >= sw.shape[1] else None
     kept: list[int] = []
     for k in range(xs.shape[1]):
-        col = sw[:, k]
-        norm = float(np.linalg.norm(col))
-        if norm == 0.0:
+        if norms[k] == 0.0:
             continue
         if kept:
-            basis = sw[:, kept]
-            coef, *_ = np.linalg.lstsq(basis, col, rcond=None)
-            if float(np.linalg.norm(col - basis @ coef)) <= COLLINEAR_TOL * norm:
+            if diag is not None:
+                residual = diag[k]
+            else:  # fewer rows than columns: project on the kept ones
+                basis = sw[:, kept]
+                coef, *_ = np.linalg.lstsq(basis, sw[:, k], rcond=None)
+                residual = np.linalg.norm(sw[:, k] - basis @ coef)
+            if residual <= COLLINEAR_TOL * norms[k]:
                 continue
         kept.append(k)
-    return kept
+    return kept or [0]
 
 
 class LatencyModel:
@@ -235,6 +241,11 @@ class LatencyModel:
         rows = self.anchors + list(self.samples)
         x = np.array([f for f, _ in rows], dtype=np.float64)  # [R, n] features
         y = np.array([ms for _, ms in rows], dtype=np.float64)  # [R] measured ms
+        finite = np.isfinite(x).all(axis=1) & np.isfinite(y)  # [R] (a non-finite sample is no measurement)
+        if not finite.all():
+            x, y = x[finite], y[finite]
+            if len(y) == 0:
+                raise ValueError("no finite samples to fit the latency model from")
         w = np.where(y > 0, 1.0 / np.where(y > 0, y * y, 1.0), 1.0) if self.relative else np.ones_like(y)  # [R]
         # scale columns to unit weighted RMS so the tiny ridge and the solver see a well-conditioned problem
         ms2 = (w[:, None] * x * x).sum(axis=0) / w.sum()  # [n]

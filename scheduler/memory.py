@@ -171,7 +171,8 @@ class MemoryManager:
                 f"length {table.num_tokens}; use shrink to roll back"
             )
         extra = self.pages.pages_for(new_num_tokens) - len(table.pages)
-        table.pages.extend(self.pages.allocate(extra))
+        if extra > 0:  # (most decode steps stay within their last page)
+            table.pages.extend(self.pages.allocate(extra))
         table.num_tokens = new_num_tokens
 
     def shrink(self, request_id: str, new_num_tokens: int) -> None:

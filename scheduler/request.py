@@ -39,6 +39,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a decode's token is in output_ids: a step's per-request
+        slice was a copy of the whole sequence)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

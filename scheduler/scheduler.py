@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from scheduler.memory import MemoryManager
 from scheduler.request import Request, RequestStatus
+from scheduler.types import StepRequest
 
 
 class RequestTooLarge(ValueError):
@@ -92,7 +93,8 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted below while making room for an older request
-            n = min(request.num_uncomputed, budget)
+            uncomputed = request.num_uncomputed
+            n = min(uncomputed, budget)
             if n == 0:
                 continue
             while not self.memory.can_grow(request.request_id, request.num_computed + n):
@@ -102,7 +104,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            cap = self._draft_cap(request, budget - n) if n == request.num_uncomputed == 1 else 0
+            cap = self._draft_cap(request, budget - n) if n == uncomputed == 1 else 0
             while cap and not self.memory.can_grow(request.request_id, request.num_computed + 1 + cap):
                 cap -= 1  # fewer drafts before anyone is preempted for them
             self.memory.grow(request.request_id, request.num_computed + n + cap)
@@ -121,6 +123,17 @@ class Scheduler:
             plan.chunks.append(ScheduledChunk(request, 0, n))
             budget -= n
         return plan
+
+    def step_requests(self, plan: StepPlan) -> list[StepRequest]:
+        """The worker's view of a planned step: one StepRequest per chunk (its tokens, pages, slot, draft cap and,
+        where it may draft, the whole sequence for the drafter)."""
+        work = []
+        for c in plan.chunks:
+            r = c.request
+            table = self.memory.table(r.request_id)
+            work.append(StepRequest(r.request_id, r.ids(c.start, c.start + c.num_tokens), c.start, list(table.pages),
+                                    table.slot, c.completes, r.params, c.draft_cap, r.all_ids if c.draft_cap else []))
+        return work
 
     def _draft_cap(self, request: Request, budget: int) -> int:
         """Drafts a decode may verify: the configured maximum, within the request's remaining tokens, the

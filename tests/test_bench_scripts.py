@@ -144,7 +144,8 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         assert row["full_batch_speedup_vs_ar"] == row["full_batch_tokens_per_s"] / cell_ar["full_batch_tokens_per_s"]
         if policy == "hybridspec-lean":  # the latency model's worst samples: [abs %, index, predicted, measured, x]
             worst = row["latency_model_worst"]
-            assert worst and worst[0][0] == pytest.approx(row["latency_model_error_pct"]["max"], rel=1e-3)
+            # (the error's stats cover the last `window` samples, the worst list every one: the warm-up's too)
+            assert worst and worst[0][0] >= row["latency_model_error_pct"]["max"] * (1 - 1e-3)
             assert 0 < worst[0][1] <= row["latency_model_observed"] and len(worst[0][4]) == 5
         # the host's time between decode steps, outside decode_s: with it the rate is lower
         assert row["between_steps_ms_mean"] > 0

@@ -112,3 +112,36 @@ def test_abort_of_waiting_and_running_requests_frees_their_memory():
     sched.finish(a, "abort")
     assert a.finish_reason == b.finish_reason == "abort"
     assert not sched.has_work() and memory.stats()["used_pages"] == 0 and memory.stats()["used_slots"] == 0
+
+
+def test_step_requests_slice_each_chunk_without_building_the_whole_sequence():
+    """Request.ids(start, stop) equals all_ids[start:stop] across the prompt/output boundary; step_requests hands
+    the worker each chunk's tokens, its pages and slot, the draft cap and (only where it may draft) the whole
+    sequence; a grow within the last page allocates nothing."""
+    r = make("a", 5)
+    r.output_ids.extend([40, 41, 42])
+    for start in range(9):
+        for stop in range(start, 10):
+            assert r.ids(start, stop) == r.all_ids[start:stop], (start, stop)
+    memory = MemoryManager(64, 4, 4)
+    sched = Scheduler(memory, 4, max_step_tokens=6, max_model_len=512, max_draft=3)
+    long, short = make("long", 9), make("short", 2)
+    sched.add(long)
+    sched.add(short)
+    plan = sched.schedule()  # long: a 6-token chunk (budget 6); short waits
+    work = sched.step_requests(plan)
+    assert [(w.request_id, w.tokens, w.context_len, w.sample, w.draft_cap, w.all_tokens) for w in work] == \
+        [("long", list(range(1, 7)), 0, False, 0, [])]
+    assert work[0].pages == memory.table("long").pages and work[0].pages is not memory.table("long").pages
+    assert work[0].slot == memory.table("long").slot
+    sched.commit(plan)
+    run_step(sched)  # long's last 3 prompt tokens + short's prompt: both sample
+    plan = sched.schedule()  # two decodes, each may verify drafts
+    work = sched.step_requests(plan)
+    for w, req in zip(work, (long, short)):
+        assert w.tokens == [7] and w.context_len == req.num_tokens - 1 and w.sample
+        assert w.draft_cap > 0 and w.all_tokens == req.all_ids
+    free = memory.pages.num_free()
+    table = memory.table("long")
+    memory.grow("long", len(table.pages) * memory.pages.page_size)  # up to the end of its last page
+    assert memory.pages.num_free() == free

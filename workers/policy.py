@@ -195,13 +195,16 @@ class SpeculationGate:
             self.rate[(b, side)] = self.rate[(near, side)]
             self.samples[(b, side)] = self.MIN_SAMPLES
         if near > b:  # a smaller batch than the neighbour's: speculation's lead is at least the neighbour's
-            self.rate[(b, True)] = max(self.rate[(b, True)], self.rate[(b, False)])
+            self.rate[(b, True)] = max(self.rate[(b, True)], self.rate[(b, False)] * (1.0 + self.SPEC_MARGIN))
         self.inherited.add(b)
 
     def wants_sample(self, batch_size: int) -> bool:
-        """Whether the next step at this batch size should be sampled (its cycle timed): always while a side is
-        unmeasured or inherited, and where a probe is due (a probe is the losing side's only measurement); else
-        every SAMPLE_EVERY-th call."""
+        """Whether the next step after one at this batch size should be sampled (its cycle timed): always while a
+        side of this bucket is unmeasured or inherited, and where a probe is due (a probe is the losing side's
+        only measurement); else every SAMPLE_EVERY-th call. (The next step may land in another bucket, as
+        requests finish or arrive: a bucket's first step can go untimed, its next ones are timed until it is
+        measured. Asking for the buckets a request more or less would meet kept every step timed at c=64,
+        whose 65-request bucket is never met.)"""
         if self.SAMPLE_EVERY <= 1:
             return True
         b = self.bucket(batch_size)
