@@ -97,16 +97,17 @@ class Scheduler:
             n = min(uncomputed, budget)
             if n == 0:
                 continue
-            while not self.memory.can_grow(request.request_id, request.num_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim, plan)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
             cap = self._draft_cap(request, budget - n) if n == uncomputed == 1 else 0
-            while cap and not self.memory.can_grow(request.request_id, request.num_computed + 1 + cap):
-                cap -= 1  # fewer drafts before anyone is preempted for them
+            if not self.memory.can_grow(request.request_id, request.num_computed + n + cap):  # (most steps fit)
+                while not self.memory.can_grow(request.request_id, request.num_computed + n):
+                    victim = self.running[-1]
+                    self._preempt(victim, plan)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
+                    continue
+                while cap and not self.memory.can_grow(request.request_id, request.num_computed + 1 + cap):
+                    cap -= 1  # fewer drafts before anyone is preempted for them
             self.memory.grow(request.request_id, request.num_computed + n + cap)
             plan.chunks.append(ScheduledChunk(request, request.num_computed, n, cap))
             budget -= n + cap
