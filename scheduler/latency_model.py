@@ -169,7 +169,7 @@ def identifiable_columns(xs: np.ndarray, w: np.ndarray) -> list[int]:
     holds the request count and each request's context fixed: without this the fit split the constant between
     const, requests and context (the tiny ridge's minimum-norm split), and serving's ~30x longer contexts
     predicted c=1 steps at ~12x their time until the first online refit (dc9b6bc on the H200: 43-67 ms
-    predicted for 3.9-6.6 ms steps; the mean prequential error at c=1, acceptance 0.85-0.95 was 53-114%). With
+    predicted for 4.0-6.6 ms steps; the mean prequential error at c=1, acceptance 0.85-0.95 was 53-114%). With
     nothing to keep (no finite row of positive weight) the constant alone."""
     sw = np.sqrt(w)[:, None] * xs  # [R, n]
     norms = np.linalg.norm(sw, axis=0)  # [n]
