@@ -149,7 +149,7 @@ def apply_step(sched: Scheduler, plan, result, tally: Tally) -> list[tuple[Reque
     """Commits a step's result: the scheduler learns the accepted lengths, each request takes its new tokens up to
     max_new_tokens and is finished when it has them all. -> (request, tokens taken, finished now) per request
     with new tokens (the caller releases the finished ones' worker state)."""
-    sched.commit(plan, result.accepted_tokens)
+    sched.commit(plan, result.accepted_tokens, result.draft_cap_hint)
     tally.draft += sum(result.draft_tokens.values())
     tally.accepted += sum(result.accepted_tokens.values())
     tally.verified += len(result.draft_tokens)

@@ -185,7 +185,7 @@ class EngineCore:
         result = self.executor.execute(self.scheduler.step_requests(plan))
         if result.policy_stats:
             self.policy_stats = result.policy_stats
-        self.scheduler.commit(plan, result.accepted_tokens)
+        self.scheduler.commit(plan, result.accepted_tokens, result.draft_cap_hint)
         for rid, n in result.draft_tokens.items():
             stats = self.live[rid].request.stats
             stats.draft_tokens += n

@@ -150,6 +150,8 @@ class ExpertParallelExecutor:
             merged.accepted_tokens.update(result.accepted_tokens)
         merged.step_ms = max(result.step_ms for result, _ in replies)
         merged.policy_stats = next((result.policy_stats for result, _ in replies if result.policy_stats), {})
+        hints = [result.draft_cap_hint for result, _ in replies if result.draft_cap_hint is not None]
+        merged.draft_cap_hint = max(hints) if hints else None  # (each rank's policy sees its own batch)
         self.last_rank_ms = [ms for _, ms in replies]
         return merged
 

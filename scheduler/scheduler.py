@@ -51,6 +51,9 @@ class Scheduler:
             raise ValueError("max_step_tokens and max_running must be >= 1")
         self.memory = memory
         self.max_draft = max_draft  # longest verification a decode may get (0 = no speculation)
+        # the worker's own cap on drafts per request, as its last decode step reported it (StepResult.draft_cap_hint;
+        # None: max_draft): pages reserved beyond it would be returned unused at every commit
+        self.draft_hint: int | None = None
         self.max_running, self.max_step_tokens, self.max_model_len = max_running, max_step_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (oldest first)
@@ -141,7 +144,8 @@ class Scheduler:
         model's length limit and the step's token budget."""
         remaining = request.params.max_new_tokens - len(request.output_ids)
         room = self.max_model_len - request.num_tokens
-        return max(0, min(self.max_draft, remaining - 1, room - 1, budget))
+        most = self.max_draft if self.draft_hint is None else min(self.max_draft, self.draft_hint)
+        return max(0, min(most, remaining - 1, room - 1, budget))
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.memory.release(request.request_id)
@@ -152,9 +156,12 @@ class Scheduler:
         self.waiting.appendleft(request)
         plan.preempted.append(request)
 
-    def commit(self, plan: StepPlan, accepted: dict[str, int] | None = None) -> None:
+    def commit(self, plan: StepPlan, accepted: dict[str, int] | None = None, draft_cap_hint: int | None = None) -> None:
         """Marks the step's tokens as cached (called after it ran). A decode that verified drafts keeps its
-        token plus the accepted drafts; the pages reserved for rejected ones go back."""
+        token plus the accepted drafts; the pages reserved for rejected ones go back. `draft_cap_hint`: the
+        worker's StepResult.draft_cap_hint (None: keep the last one)."""
+        if draft_cap_hint is not None:
+            self.draft_hint = draft_cap_hint
         accepted = accepted or {}
         for chunk in plan.chunks:
             request = chunk.request

@@ -125,3 +125,7 @@ class StepResult:
     accepted_tokens: dict[str, int] = field(default_factory=dict)  # of those, accepted
     step_ms: float = 0.0  # time the worker spent on the step
     policy_stats: dict[str, float] = field(default_factory=dict)  # latency-model / calibration error, now and then
+    # drafts per request the worker's policy would verify at most at this batch size (hybridspec's draft_cap, else
+    # its max_verify_len); None: the step says nothing (not a decode step of a drafting worker). The scheduler
+    # reserves no more pages than this for the next step's drafts
+    draft_cap_hint: int | None = None

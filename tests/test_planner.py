@@ -786,6 +786,24 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     runner.captures_total = lambda: next(calls)
     res = serve(runner, prompts, 16, 8, page_size, num_pages, "hybridspec", keep_policy=True)
     assert res.tokens == [t[:16] for t in greedy] and gate.samples == before
+    # each decode step reports hybridspec's own cap on drafts at its batch size to the scheduler (max_verify_len
+    # while it has too few plans there); a step with a prefill reports nothing
+    steps, real = [], runner.execute
+
+    def execute(work):
+        result = real(work)
+        steps.append((work, result, runner.policy.draft_cap(len(work))))  # the policy's cap as the step left it
+        return result
+
+    runner.execute = execute
+    serve(runner, prompts, 4, 8, page_size, num_pages, "hybridspec", keep_policy=True)
+    del runner.execute
+    for work, result, cap in steps:
+        if all(len(w.tokens) == 1 and w.context_len > 0 for w in work):
+            assert result.draft_cap_hint == (runner.policy.max_verify_len if cap is None else cap)
+        else:
+            assert result.draft_cap_hint is None
+    assert any(result.draft_cap_hint is not None for _, result, _ in steps)
     ends = runner._ends
     runner.use_policy(runner.policy)  # a policy (kept or new): its gate's cycles start afresh
     assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []

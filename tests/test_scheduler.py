@@ -145,3 +145,26 @@ def test_step_requests_slice_each_chunk_without_building_the_whole_sequence():
     table = memory.table("long")
     memory.grow("long", len(table.pages) * memory.pages.page_size)  # up to the end of its last page
     assert memory.pages.num_free() == free
+
+
+def test_worker_draft_cap_hint_bounds_the_pages_reserved_for_drafts():
+    """commit(..., draft_cap_hint): the scheduler reserves pages for at most that many drafts per decode from the
+    next step on (never more than max_draft); a step without a hint (None) keeps the last one."""
+    memory = MemoryManager(64, 4, 4)
+    sched = Scheduler(memory, 4, max_step_tokens=64, max_model_len=512, max_draft=8)
+    r = make("a", 4, max_new=32)
+    sched.add(r)
+    plan = sched.schedule()
+    sched.commit(plan)
+    r.output_ids.append(7)
+    plan = sched.schedule()
+    assert plan.chunks[0].draft_cap == 8 and memory.table("a").num_tokens == 4 + 1 + 8
+    sched.commit(plan, {}, draft_cap_hint=3)
+    r.output_ids.append(7)
+    plan = sched.schedule()
+    assert plan.chunks[0].draft_cap == 3 and memory.table("a").num_tokens == r.num_tokens + 3
+    sched.commit(plan, {}, draft_cap_hint=None)  # no word from the worker: the hint stays
+    r.output_ids.append(7)
+    assert sched.schedule().chunks[0].draft_cap == 3
+    sched.draft_hint = 20  # above max_draft: max_draft
+    assert sched._draft_cap(r, 64) == 8

@@ -513,6 +513,9 @@ class ModelRunner:
             for cycle in self._ends.step_ended(start, ended, end, sample):
                 self.policy.observe_cycle(*cycle)
             self.policy.gate_dropped += self._ends.take_dropped()
+        if decode_only and self.drafter is not None and self.policy.name != "ar":
+            cap = self.policy.draft_cap(len(requests))  # what the scheduler reserves pages for next step
+            result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
