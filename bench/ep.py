@@ -250,11 +250,7 @@ class Rank:
                 self.sync()
                 parts: list = [None] * self.world
                 dist.all_gather_object(parts, mine, group=self.objects)
-                result = StepResult()
-                for p in parts:
-                    result.new_tokens.update(p.new_tokens)
-                    result.draft_tokens.update(p.draft_tokens)
-                    result.accepted_tokens.update(p.accepted_tokens)
+                result = StepResult.merged(parts)  # (from every rank: each rank's scheduler copy stays the same)
                 comm.append(comm_ms(self.model))
             else:
                 result = runner.execute(work)

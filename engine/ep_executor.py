@@ -143,15 +143,7 @@ class ExpertParallelExecutor:
         # (host-known split sizes: no host sync in the layers)
         rows = [step_rows_bound(work) for work in per_rank]
         replies = self._gather([a.execute.remote(work, rows) for a, work in zip(self.actors, per_rank)])
-        merged = StepResult()
-        for result, _ in replies:
-            merged.new_tokens.update(result.new_tokens)
-            merged.draft_tokens.update(result.draft_tokens)
-            merged.accepted_tokens.update(result.accepted_tokens)
-        merged.step_ms = max(result.step_ms for result, _ in replies)
-        merged.policy_stats = next((result.policy_stats for result, _ in replies if result.policy_stats), {})
-        hints = [result.draft_cap_hint for result, _ in replies if result.draft_cap_hint is not None]
-        merged.draft_cap_hint = max(hints) if hints else None  # (each rank's policy sees its own batch)
+        merged = StepResult.merged([result for result, _ in replies])
         self.last_rank_ms = [ms for _, ms in replies]
         return merged
 

@@ -90,6 +90,8 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        if not self.running:
+            self.draft_hint = None  # an idle engine's next batch is not the last one: no stale cap
         plan = StepPlan()
         budget = self.max_step_tokens
         # 1. running requests, oldest first; preempt the youngest when a page is missing
@@ -140,8 +142,8 @@ class Scheduler:
         return work
 
     def _draft_cap(self, request: Request, budget: int) -> int:
-        """Drafts a decode may verify: the configured maximum, within the request's remaining tokens, the
-        model's length limit and the step's token budget."""
+        """Drafts a decode may verify: the configured maximum (or the worker's own cap, draft_hint, if lower),
+        within the request's remaining tokens, the model's length limit and the step's token budget."""
         remaining = request.params.max_new_tokens - len(request.output_ids)
         room = self.max_model_len - request.num_tokens
         most = self.max_draft if self.draft_hint is None else min(self.max_draft, self.draft_hint)

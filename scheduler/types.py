@@ -125,7 +125,23 @@ class StepResult:
     accepted_tokens: dict[str, int] = field(default_factory=dict)  # of those, accepted
     step_ms: float = 0.0  # time the worker spent on the step
     policy_stats: dict[str, float] = field(default_factory=dict)  # latency-model / calibration error, now and then
-    # drafts per request the worker's policy would verify at most at this batch size (hybridspec's draft_cap, else
-    # its max_verify_len); None: the step says nothing (not a decode step of a drafting worker). The scheduler
+    # drafts per request the worker's policy would verify at most at this step's batch size (hybridspec's draft_cap,
+    # else its max_verify_len); None: the step says nothing (not a decode step of a drafting worker). The scheduler
     # reserves no more pages than this for the next step's drafts
     draft_cap_hint: int | None = None
+
+    @staticmethod
+    def merged(parts: "list[StepResult]") -> "StepResult":
+        """One step's results from several workers (expert-parallel ranks, each running its own requests): tokens
+        of every request, the slowest rank's time, the first non-empty policy stats, the largest draft-cap hint
+        (each rank's policy sees its own batch; a rank without decodes says nothing)."""
+        out = StepResult()
+        for p in parts:
+            out.new_tokens.update(p.new_tokens)
+            out.draft_tokens.update(p.draft_tokens)
+            out.accepted_tokens.update(p.accepted_tokens)
+        out.step_ms = max((p.step_ms for p in parts), default=0.0)
+        out.policy_stats = next((p.policy_stats for p in parts if p.policy_stats), {})
+        hints = [p.draft_cap_hint for p in parts if p.draft_cap_hint is not None]
+        out.draft_cap_hint = max(hints) if hints else None
+        return out

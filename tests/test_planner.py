@@ -786,8 +786,15 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     runner.captures_total = lambda: next(calls)
     res = serve(runner, prompts, 16, 8, page_size, num_pages, "hybridspec", keep_policy=True)
     assert res.tokens == [t[:16] for t in greedy] and gate.samples == before
-    # each decode step reports hybridspec's own cap on drafts at its batch size to the scheduler (max_verify_len
-    # while it has too few plans there); a step with a prefill reports nothing
+    # each decode step reports hybridspec's own cap on drafts at its batch size to the scheduler, and the scheduler
+    # reserves no more for the next step; a step with a prefill reports nothing. Recent plans of 3 at this bucket:
+    # a cap of 3 + DRAFT_MARGIN, under max_verify_len
+    from collections import deque
+
+    from workers.policy import DRAFT_MARGIN, DRAFT_WINDOW
+
+    runner.policy.planned_max[2] = deque([3] * DRAFT_WINDOW, maxlen=DRAFT_WINDOW)
+    assert runner.policy.draft_cap(2) == 3 + DRAFT_MARGIN < runner.policy.max_verify_len
     steps, real = [], runner.execute
 
     def execute(work):
@@ -796,14 +803,20 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
         return result
 
     runner.execute = execute
-    serve(runner, prompts, 4, 8, page_size, num_pages, "hybridspec", keep_policy=True)
+    serve(runner, prompts, 12, 8, page_size, num_pages, "hybridspec", keep_policy=True)
     del runner.execute
+    decodes = []
     for work, result, cap in steps:
         if all(len(w.tokens) == 1 and w.context_len > 0 for w in work):
             assert result.draft_cap_hint == (runner.policy.max_verify_len if cap is None else cap)
+            decodes.append((work, result.draft_cap_hint))
         else:
             assert result.draft_cap_hint is None
-    assert any(result.draft_cap_hint is not None for _, result, _ in steps)
+    assert len(decodes) >= 3 and decodes[0][1] == 3 + DRAFT_MARGIN
+    for (_, hint), (work, _) in zip(decodes, decodes[1:]):  # the next step's caps within the last hint
+        assert max(w.draft_cap for w in work) <= hint
+    assert max(w.draft_cap for w in decodes[0][0]) == 8  # a new scheduler: max_draft (serve's 8)
+    assert max(w.draft_cap for w in decodes[1][0]) == 3 + DRAFT_MARGIN  # then the worker's hint
     ends = runner._ends
     runner.use_policy(runner.policy)  # a policy (kept or new): its gate's cycles start afresh
     assert runner._ends is not ends and runner._ends.resume is None and runner._ends.pending == []

@@ -514,7 +514,7 @@ class ModelRunner:
                 self.policy.observe_cycle(*cycle)
             self.policy.gate_dropped += self._ends.take_dropped()
         if decode_only and self.drafter is not None and self.policy.name != "ar":
-            cap = self.policy.draft_cap(len(requests))  # what the scheduler reserves pages for next step
+            cap = self.policy.draft_cap(len(requests))  # at this batch size: the scheduler's next reservation
             result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
