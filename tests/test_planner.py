@@ -115,6 +115,32 @@ def test_latency_model_leaves_out_what_the_profile_holds_fixed():
     assert model.coefs.ms_per_context_token == pytest.approx(TRUE.ms_per_context_token, rel=0.05)
 
 
+def test_identifiable_columns_edge_cases():
+    """identifiable_columns keeps const first, drops a column the earlier ones explain, handles fewer rows than
+    columns (least squares on the kept ones) and keeps the constant alone when nothing varies; the fit ignores a
+    sample with a non-finite feature or time."""
+    import numpy as np
+
+    from scheduler.latency_model import identifiable_columns
+
+    ones = np.ones(6)
+    x = np.c_[ones, np.arange(6.0), 2 * np.arange(6.0) + 3, ones * 5]  # [6, 4]: col 2 = 3 const + 2 col 1, col 3 const
+    assert identifiable_columns(x, ones) == [0, 1]
+    assert identifiable_columns(x[:2], ones[:2]) == [0, 1]  # two rows: at most two columns
+    assert identifiable_columns(np.c_[ones, ones * 7], ones) == [0]
+    assert identifiable_columns(np.zeros((3, 2)), np.ones(3)) == [0]  # nothing at all: the constant
+    model = LatencyModel()
+    rng = random.Random(2)
+    for _ in range(40):
+        comp = random_composition(rng, 10)
+        model.anchor(comp, true_ms(comp))
+    model.anchors.append(([1.0, float("nan"), 1.0, 1.0, 1.0], 3.0))
+    model.anchors.append(([1.0, 1.0, 1.0, 1.0, 1.0], float("inf")))
+    coefs = model.fit()
+    assert all(math.isfinite(c) for c in coefs.as_list())
+    assert coefs.ms_per_expert == pytest.approx(TRUE.ms_per_expert, rel=0.05)
+
+
 def test_latency_model_nonnegative_and_estimated_experts():
     rng = random.Random(1)
     no_ctx = LatencyCoefs(const_ms=1.0, ms_per_token=0.01, ms_per_expert=0.002, ms_per_request=0.0)
