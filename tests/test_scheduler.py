@@ -141,10 +141,15 @@ def test_step_requests_slice_each_chunk_without_building_the_whole_sequence():
     for w, req in zip(work, (long, short)):
         assert w.tokens == [7] and w.context_len == req.num_tokens - 1 and w.sample
         assert w.draft_cap > 0 and w.all_tokens == req.all_ids
-    free = memory.pages.num_free()
     table = memory.table("long")
-    memory.grow("long", len(table.pages) * memory.pages.page_size)  # up to the end of its last page
-    assert memory.pages.num_free() == free
+    pages = list(table.pages)
+
+    def no_allocation(n):
+        raise AssertionError(f"allocate({n}) for a grow within the last page")
+
+    memory.pages.allocate = no_allocation
+    memory.grow("long", len(pages) * memory.pages.page_size)  # up to the end of its last page
+    assert table.pages == pages and table.num_tokens == len(pages) * memory.pages.page_size
 
 
 def test_worker_draft_cap_hint_bounds_the_pages_reserved_for_drafts():
@@ -168,3 +173,10 @@ def test_worker_draft_cap_hint_bounds_the_pages_reserved_for_drafts():
     assert sched.schedule().chunks[0].draft_cap == 3
     sched.draft_hint = 20  # above max_draft: max_draft
     assert sched._draft_cap(r, 64) == 8
+    sched.draft_hint = 3
+    sched.finish(r, "abort")  # the engine goes idle: its next batch starts from max_draft again
+    r2 = make("b", 4, max_new=32)
+    sched.add(r2)
+    sched.commit(sched.schedule())
+    r2.output_ids.append(7)
+    assert sched.draft_hint is None and sched.schedule().chunks[0].draft_cap == 8
