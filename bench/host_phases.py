@@ -2,11 +2,12 @@
     PYTHONPATH=. python bench/host_phases.py --phases-out $OUT/phases.json [--force-plain] <bench/e2e.py arguments>
 Runs bench/e2e.py with thin perf_counter wrappers around the runner's parts (ModelRunner.execute and, inside it,
 the graphs' staging and replay, the drafter, the plan, the gate's bookkeeping, the deferred learning) and writes,
-per (policy, plain|spec, part), [total ms, steps, ms per step] of the decode steps (no prefill chunk) that ran 1 or
-64 requests, a part's calls within a step summed (`execute+sync` is the step until the device is done, as e2e times
-it; `gate: resumed` holds one of the step's two `gate: mark`s). The wrappers cost ~1 us a call, where
-torch.profiler (bench/step_timeline.py) and cProfile (bench/host_profile.py) inflate every Python call; the means
-include the warm-up run's and the profile's steps (graph captures among them). `--force-plain`: hybridspec's gate
+per (policy, plain|spec, part), [total ms, steps, mean ms per step, median ms per step] of the decode steps (no
+prefill chunk, no graph capture) that ran 1 or 64 requests (--batches), a part's calls within a step summed
+(`execute+sync` is the step until the device is done, as e2e times it; `gate: resumed` holds one of the step's two
+`gate: mark`s). The wrappers cost ~1 us a call, where torch.profiler (bench/step_timeline.py) and cProfile
+(bench/host_profile.py) inflate every Python call; the steps include the warm-up run's and the profile's (until
+2026-12-01 the graph captures too: their means were ~3x the served steps'). `--force-plain`: hybridspec's gate
 always answers plain decoding, so its plain steps can be compared with ar's in one cell (bench/NOTES.md,
 2026-11-30 21:00-). `--tiny` (an e2e argument) runs the plumbing on CPU.
 """
@@ -17,6 +18,7 @@ import argparse
 import collections
 import functools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,14 +42,14 @@ PARTS = ((runner.ModelRunner, "flush_learning", "flush_learning"), (graphs.StepG
          (policy.LengthPolicy, "observe_outcome", "observe_outcome"), (policy.LengthPolicy, "stats", "stats"),
          (policy.LengthPolicy, "fold_counts", "fold_counts"), (runner._StepEnds, "mark", "gate: mark"),
          (runner._StepEnds, "step_ended", "gate: step_ended"), (runner._StepEnds, "resumed", "gate: resumed"))
-KINDS_OF_BATCH = (1, 64)  # batch sizes whose steps are reported (the full batch of the usual cells)
+KINDS_OF_BATCH = [1, 64]  # batch sizes whose steps are reported (the full batch of the usual cells; --batches)
 
 
 class Phases:
     def __init__(self) -> None:
         self.policy: str | None = None
         self.step: dict[str, float] = collections.defaultdict(float)  # label -> ms in the current step
-        self.acc: dict[tuple[str | None, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        self.acc: dict[tuple[str | None, str, str], list[float]] = collections.defaultdict(list)  # per-step ms
 
     def wrap(self, owner: type, name: str, label: str) -> None:
         f = getattr(owner, name)
@@ -79,12 +81,11 @@ class Phases:
                 torch.cuda.synchronize()
             self.step["execute+sync"] = (time.perf_counter() - t) * 1e3
             decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)  # (no prefill chunk)
-            if decode and len(requests) in KINDS_OF_BATCH:
+            # (a step that captured a graph is not a served step's time: ~10-100x one)
+            if decode and len(requests) in KINDS_OF_BATCH and not getattr(run, "last_step_captured", False):
                 kind = "spec" if getattr(run, "last_draft_width", 0) else "plain"
                 for label, ms in self.step.items():
-                    tally = self.acc[(self.policy, kind, label)]
-                    tally[0] += ms
-                    tally[1] += 1
+                    self.acc[(self.policy, kind, label)].append(ms)
             return result
         runner.ModelRunner.execute = timed_execute
         serve = e2e.serve
@@ -95,15 +96,17 @@ class Phases:
         e2e.serve = labelled_serve
 
     def table(self) -> dict[str, list[float]]:
-        return {f"{p}|{k}|{label}": [ms, n, ms / max(1, n)] for (p, k, label), (ms, n) in sorted(
-            self.acc.items(), key=lambda kv: tuple(str(x) for x in kv[0]))}
+        return {f"{p}|{k}|{label}": [sum(ms), len(ms), sum(ms) / len(ms), statistics.median(ms)]
+                for (p, k, label), ms in sorted(self.acc.items(), key=lambda kv: tuple(str(x) for x in kv[0]))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, steps, ms per step]")
     ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
+    ap.add_argument("--batches", default="1,64", help="batch sizes whose decode steps are reported")
     args, rest = ap.parse_known_args()
+    KINDS_OF_BATCH[:] = [int(b) for b in args.batches.split(",")]
     if args.force_plain:
         policy.SpeculationGate.should_draft = lambda self, *args, **kwargs: False
     phases = Phases()
@@ -113,8 +116,8 @@ def main() -> None:
     table = phases.table()
     Path(args.phases_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.phases_out).write_text(json.dumps(table, indent=1))
-    for key, (ms, n, per) in table.items():
-        print(f"{key}: {per:.3f} ms x {int(n)}")
+    for key, (ms, n, per, median) in table.items():
+        print(f"{key}: {per:.3f} ms (median {median:.3f}) x {int(n)}")
 
 
 if __name__ == "__main__":

@@ -184,8 +184,9 @@ class MemoryManager:
                 f"got {new_num_tokens}; use grow to extend"
             )
         keep = self.pages.pages_for(new_num_tokens)
-        self.pages.free(table.pages[keep:])
-        del table.pages[keep:]
+        if keep < len(table.pages):  # (most shrinks free nothing: the rejected drafts stayed in the last page)
+            self.pages.free(table.pages[keep:])
+            del table.pages[keep:]
         table.num_tokens = new_num_tokens
 
     def release(self, request_id: str) -> None:

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from scheduler.types import SamplingParams
+from scheduler.types import SamplingParams, TokenView
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +38,10 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_view(self) -> TokenView:
+        """all_ids as an O(1) read-only view (no copy): its length is fixed now."""
+        return TokenView(self.prompt_ids, self.output_ids)
 
     def ids(self, start: int, stop: int) -> list[int]:
         """all_ids[start:stop] without building all_ids (a decode's token is in output_ids: a step's per-request

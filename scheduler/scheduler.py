@@ -132,13 +132,13 @@ class Scheduler:
 
     def step_requests(self, plan: StepPlan) -> list[StepRequest]:
         """The worker's view of a planned step: one StepRequest per chunk (its tokens, pages, slot, draft cap and,
-        where it may draft, the whole sequence for the drafter)."""
+        where it may draft, the whole sequence for the drafter as a TokenView: no copy)."""
         work = []
         for c in plan.chunks:
             r = c.request
             table = self.memory.table(r.request_id)
             work.append(StepRequest(r.request_id, r.ids(c.start, c.start + c.num_tokens), c.start, list(table.pages),
-                                    table.slot, c.completes, r.params, c.draft_cap, r.all_ids if c.draft_cap else []))
+                                    table.slot, c.completes, r.params, c.draft_cap, r.token_view() if c.draft_cap else []))
         return work
 
     def _draft_cap(self, request: Request, budget: int) -> int:

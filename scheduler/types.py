@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice
 
 MAX_NEW_TOKENS = 8192
 MAX_STOP_STRINGS = 16
@@ -101,6 +103,58 @@ class SamplingParams:
         return self
 
 
+class TokenView(Sequence):
+    """A request's prompt followed by its output as one read-only sequence, built in O(1) (nothing is copied): the
+    whole sequence a decode's drafter may read (StepRequest.all_tokens). A concatenation copied every running
+    request's whole sequence at every step (bench/NOTES.md, 2026-12-01). Its length is fixed when it is built, so
+    tokens appended to the output later are not in it (the lists only grow). Indexing gives ints, slicing gives
+    lists; it compares equal to any sequence of the same tokens and pickles as a plain list (Ray)."""
+
+    __slots__ = ("_head", "_tail", "_nh", "_n")
+
+    def __init__(self, head: list[int], tail: list[int]):
+        self._head, self._tail = head, tail
+        self._nh = len(head)
+        self._n = self._nh + len(tail)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        nh = self._nh
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._n)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if stop <= start:
+                return []
+            if start >= nh:
+                return self._tail[start - nh:stop - nh]
+            if stop <= nh:
+                return self._head[start:stop]
+            return self._head[start:] + self._tail[:stop - nh]
+        i = index + self._n if index < 0 else index
+        if not 0 <= i < self._n:
+            raise IndexError(f"token index {index} out of range for {self._n} tokens")
+        return self._head[i] if i < nh else self._tail[i - nh]
+
+    def __iter__(self):
+        return chain(self._head, islice(self._tail, self._n - self._nh))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # (a view of mutable lists)
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+    def __repr__(self) -> str:
+        return f"TokenView({list(self)!r})"
+
+
 @dataclass
 class StepRequest:
     """What the worker needs to run one request's part of a step (plain data: crosses to a Ray actor)."""
@@ -113,7 +167,8 @@ class StepRequest:
     sample: bool  # sample the next token after this step (False for a non-final prefill chunk)
     params: SamplingParams
     draft_cap: int = 0  # a decode may verify up to this many drafted tokens (pages are reserved for them)
-    all_tokens: list[int] = field(default_factory=list)  # the whole sequence so far, for drafters (decodes only)
+    # the whole sequence so far, for drafters (decodes that may draft; a TokenView where the scheduler built it)
+    all_tokens: Sequence[int] = field(default_factory=list)
 
 
 @dataclass

@@ -45,8 +45,8 @@ def test_host_phases_tiny_times_each_policys_parts_by_step_kind(tmp_path):
     table = json.loads(out.read_text())
     assert table["ar|plain|execute+sync"][1] > 0 and "ar|spec|execute+sync" not in table  # ar never drafts
     for name in ("budget", "hybridspec"):
-        total, calls, per = table[f"{name}|spec|execute+sync"]
-        assert calls > 0 and per == total / calls
+        total, calls, per, median = table[f"{name}|spec|execute+sync"]
+        assert calls > 0 and per == total / calls and 0 < median <= total
         assert 0 < table[f"{name}|spec|ReplayDrafter.propose"][2] < per  # a part of the step
         assert table[f"{name}|spec|lengths"][1] == calls
     assert table["hybridspec|spec|gate: mark"][1] > 0 and "budget|spec|gate: mark" not in table  # budget: no gate

@@ -3,12 +3,14 @@ youngest request on a page shortage, rejection of requests that can never fit.""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from scheduler.memory import MemoryManager
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import RequestTooLarge, Scheduler
-from scheduler.types import SamplingParams
+from scheduler.types import SamplingParams, TokenView
 
 
 def make(rid: str, prompt_len: int, max_new: int = 8) -> Request:
@@ -141,6 +143,7 @@ def test_step_requests_slice_each_chunk_without_building_the_whole_sequence():
     for w, req in zip(work, (long, short)):
         assert w.tokens == [7] and w.context_len == req.num_tokens - 1 and w.sample
         assert w.draft_cap > 0 and w.all_tokens == req.all_ids
+        assert isinstance(w.all_tokens, TokenView) and w.all_tokens._tail is req.output_ids  # a view: no copy
     table = memory.table("long")
     pages = list(table.pages)
 
@@ -180,3 +183,28 @@ def test_worker_draft_cap_hint_bounds_the_pages_reserved_for_drafts():
     sched.commit(sched.schedule())
     r2.output_ids.append(7)
     assert sched.draft_hint is None and sched.schedule().chunks[0].draft_cap == 8
+
+
+def test_token_view_reads_as_the_concatenation_and_keeps_its_length():
+    """Request.token_view(): prompt + output without a copy. Every index and slice (negative, open, stepped)
+    equals the list's; tokens appended after it was built are not in it; it pickles as a plain list."""
+    r = make("a", 5)
+    r.output_ids.extend([40, 41, 42])
+    view, whole = r.token_view(), r.all_ids
+    assert len(view) == len(whole) == 8 and list(view) == whole and view == whole and whole == view
+    for i in range(-8, 8):
+        assert view[i] == whole[i]
+    for start in (None, -9, -3, 0, 2, 5, 7, 9):
+        for stop in (None, -9, -1, 0, 3, 5, 6, 8, 12):
+            for step in (None, 1, 2, -1):
+                assert view[start:stop:step] == whole[start:stop:step], (start, stop, step)
+    for bad in (8, -9):
+        with pytest.raises(IndexError):
+            view[bad]
+    assert view != whole[:-1] and view != whole[:-1] + [0] and view != "abcdefgh"
+    r.output_ids.append(43)  # a later token is not part of the view
+    assert len(view) == 8 and list(view) == whole and view[-1] == 42 and view[5:] == [40, 41, 42]
+    back = pickle.loads(pickle.dumps(view))
+    assert type(back) is list and back == whole
+    assert "TokenView" in repr(view)
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ class DraftRequest:
     """One request to draft for: its committed tokens and the pending one (last sampled, not yet cached)."""
 
     request_id: str
-    token_ids: list[int]  # every token of the request so far, the pending one last
+    token_ids: Sequence[int]  # every token of the request so far, the pending one last (a list or TokenView)
     num_cached: int  # tokens in the target's cache (= len(token_ids) - 1 for a decode)
     pages: list[int]  # target pages (the draft model mirrors them) covering num_cached + 1 + k
     slot: int
@@ -89,7 +90,8 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+    def lookup(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        tokens = list(tokens)  # (a TokenView: its many slices below are cheaper on a list)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             suffix = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier occurrence
