@@ -339,8 +339,8 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["draft_cost_ms"] = {b: dict(zip(c.table.tokens, c.table.step_ms)) for b, c in policy.draft_costs.items()}
         row["rest_overhead_ms"] = dict(policy.rest_overhead_ms)
         row["planned_max_recent"] = {b: list(w) for b, w in policy.planned_max.items()}
-    pstats = policy.stats(policy.calibrator.drafters[0] if policy.calibrator.drafters else None)
-    for key in ("plan_step_bias_pct", "plan_step_abs_pct", "calibration_ece", "calibration_flat_positions"):
+    pstats = policy.stats()
+    for key in ("plan_step_bias_pct", "plan_step_abs_pct"):
         if key in pstats:
             row[key] = pstats[key]
     if policy.extra_keep:  # the router correction's (kept, sent) extra tokens, decayed, per bucket

@@ -5,9 +5,7 @@ confidence of their own (an n-gram prior, a draft model's token probability) tha
 Per (drafter, position) we keep binned acceptance counts over the confidence axis, shrunk towards the identity
 map by a small prior (trust the raw confidence until data says otherwise), made monotone non-decreasing in
 confidence (weighted pool-adjacent-violators: binned isotonic regression), and read by linear interpolation
-between bin centres. Where a position has seen enough drafts and its map explains their outcomes no better than one
-pooled rate would (a likelihood-ratio test), the position's map is that pooled rate: a confidence that says
-nothing about which draft is right then adds no noise to the plans (bench/NOTES.md, 2026-12-01). Online: every verification adds observations; ECE is reported before (raw) and after
+between bin centres. Online: every verification adds observations; ECE is reported before (raw) and after
 (calibrated, scored prequentially: each observation against the map as last built before it; with
 max_stale_reads > 0 that map may be a few reads older than the counts).
 
@@ -33,7 +31,6 @@ class CalibrationStats:
     ece_raw: float  # of the drafter's own confidence
     ece_calibrated: float  # of the calibrated probability (prequential)
     mean_accept: float  # observed acceptance rate
-    flat_positions: int = 0  # positions whose map is their pooled rate (the confidence was not informative there)
 
 
 @dataclass
@@ -81,7 +78,6 @@ class _DrafterMaps:
         self._stale_rows: list[list[float]] | None = None  # _values as lists while served stale
         self._slopes: np.ndarray | None = None  # [P, nb] values[b + 1] - values[b] (0 at the last bin); None: stale
         self._centre = (np.arange(num_bins) + 0.5) / num_bins  # [nb] bin centres
-        self.flat = np.zeros(positions, dtype=bool)  # [P] map replaced by the pooled rate (_flatten_uninformative)
         self.raw, self.cal = _EceBins(), _EceBins()
 
     def table(self) -> np.ndarray:
@@ -133,7 +129,6 @@ class _DrafterMaps:
         if len(dirty) <= _REBUILD_LOOP_MAX:
             self._values[dirty] = [_isotonic(a, t, w, nb) for a, t in
                                    zip(self.accepted[dirty].tolist(), self.total[dirty].tolist())]
-            self._flatten_uninformative(dirty)
             self._dirty[dirty] = False
             self._slopes = None
             return
@@ -156,34 +151,8 @@ class _DrafterMaps:
             vals[pool] = [_pool_adjacent(s, wt, start) for s, wt, start in
                           zip(sums[pool].tolist(), weight[pool].tolist(), (drops[pool].argmax(axis=1) + 1).tolist())]
         self._values[dirty] = vals
-        self._flatten_uninformative(dirty)
         self._dirty[dirty] = False
         self._slopes = None
-
-    def _flatten_uninformative(self, dirty: np.ndarray) -> None:
-        """Replaces the rebuilt maps of `dirty` positions that have seen at least FLAT_MIN_OBS drafts by their
-        pooled acceptance rate where the map's fit is not measurably better: 2 (log L(map) - log L(pooled)) <
-        FLAT_LR (binned isotonic maps over ~10 bins score ~2 on average, and rarely more than ~6, on outcomes that do
-        not depend on the confidence at all). The noise such a map fits sends the plans after drafts that are no
-        likelier to be right (bench/NOTES.md, 2026-12-01); an informative confidence (a draft model's probability,
-        a replay with `beta` confidence) scores in the tens to hundreds and keeps its map."""
-        acc, tot = self.accepted[dirty], self.total[dirty]  # [D, nb] (decayed) counts
-        n_acc, n_tot = acc.cumsum(axis=1)[:, -1], tot.cumsum(axis=1)[:, -1]  # [D] (in bin order, as a loop sums)
-        enough = n_tot >= FLAT_MIN_OBS
-        self.flat[dirty] = False
-        if not enough.any():
-            return
-        rows = dirty[enough]
-        a, t = acc[enough], tot[enough]  # [R, nb]
-        rate = n_acc[enough] / n_tot[enough]  # [R] pooled maximum-likelihood rate
-        v = np.clip(self._values[rows], _LOG_EPS, 1.0 - _LOG_EPS)  # [R, nb] the maps just built
-        r = np.clip(rate, _LOG_EPS, 1.0 - _LOG_EPS)[:, None]  # [R, 1]
-        ll_map = (a * np.log(v) + (t - a) * np.log1p(-v)).sum(axis=1)  # [R]
-        ll_flat = (a * np.log(r) + (t - a) * np.log1p(-r)).sum(axis=1)  # [R]
-        flat = 2.0 * (ll_map - ll_flat) < FLAT_LR  # [R]
-        if flat.any():
-            self._values[rows[flat]] = rate[flat, None]
-            self.flat[rows[flat]] = True
 
     def add(self, positions: np.ndarray, confidences: np.ndarray, accepted: np.ndarray) -> None:
         """Counts observations (positions [N] in 0..P-1, finite confidences [N], accepted [N] bool) in order. A
@@ -290,10 +259,6 @@ def pad_rows(rows: Sequence[Sequence[float]], fill: float = 0.0) -> tuple[np.nda
     return out, lens
 
 
-# a position's map becomes its pooled rate once it has seen FLAT_MIN_OBS drafts and the map's likelihood-ratio
-# statistic against the pooled rate stays under FLAT_LR (_DrafterMaps._flatten_uninformative)
-FLAT_MIN_OBS, FLAT_LR = 64.0, 6.0
-_LOG_EPS = 1e-6
 # calibrations / observations of at least this many drafts in one call run in numpy (below: the loops, faster)
 _CALIBRATE_NUMPY_MIN, _OBSERVE_NUMPY_MIN = 64, 40
 _REBUILD_LOOP_MAX = 6  # maps of at most this many positions rebuild in plain Python
@@ -426,8 +391,7 @@ class AcceptanceCalibrator:
             return CalibrationStats(0, float("nan"), float("nan"), float("nan"))
         raw, cal = maps.raw, maps.cal
         n = sum(raw.n)
-        return CalibrationStats(int(n), raw.ece(), cal.ece(), sum(raw.hit) / n if n else float("nan"),
-                                int(maps.flat.sum()))
+        return CalibrationStats(int(n), raw.ece(), cal.ece(), sum(raw.hit) / n if n else float("nan"))
 
     @property
     def drafters(self) -> list[str]:

@@ -365,39 +365,6 @@ def test_calibration_maps_overconfident_drafter_down():
     assert cal.stats("mtp").ece_calibrated < 0.06
 
 
-def test_calibration_flattens_a_confidence_that_says_nothing():
-    """A position whose confidence does not tell right drafts from wrong ones (accepted 70% whatever it says) gets
-    one pooled rate once it has FLAT_MIN_OBS drafts: its isotonic map would fit noise, which the plans chase. An
-    informative confidence keeps its map; a position with few drafts keeps the identity-shrunk map."""
-    rng = random.Random(11)
-    cal = AcceptanceCalibrator(num_bins=10, max_positions=3)
-    hits = total = 0
-    for _ in range(600):
-        hit = rng.random() < 0.7
-        hits, total = hits + hit, total + 1
-        cal.observe("noise", 0, rng.random(), hit)  # uninformative at position 0
-        good = rng.random()
-        cal.observe("informative", 0, good, rng.random() < good)
-    for _ in range(20):  # position 1: too few drafts to tell
-        cal.observe("noise", 1, rng.random(), rng.random() < 0.7)
-    flat, few = cal.table("noise")[0], cal.table("noise")[1]
-    assert flat == [pytest.approx(hits / total, rel=1e-12)] * 10
-    assert cal.calibrate("noise", 0, 0.05) == cal.calibrate("noise", 0, 0.95) == flat[0]
-    assert max(few) - min(few) > 0.05  # the identity prior still shows
-    assert cal.stats("noise").flat_positions == 1
-    kept = cal.table("informative")[0]
-    assert kept[-1] - kept[0] > 0.5 and cal.stats("informative").flat_positions == 0
-    assert cal.calibrate("informative", 0, 0.2) == pytest.approx(0.2, abs=0.1)
-    for _ in range(400):  # the same position turns informative: its map comes back
-        good = rng.random()
-        cal.observe("noise", 0, good, rng.random() < good)
-    for _ in range(2000):
-        good = rng.random()
-        cal.observe("noise", 0, good, rng.random() < good)
-    back = cal.table("noise")[0]
-    assert back[-1] - back[0] > 0.3 and cal.stats("noise").flat_positions == 0
-
-
 def test_calibration_observes_only_up_to_first_rejection():
     cal = AcceptanceCalibrator(max_positions=8, prior_weight=0.0)
     for _ in range(10):

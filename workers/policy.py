@@ -796,5 +796,5 @@ class LengthPolicy:
         if drafter is not None and drafter in self.calibrator.drafters:
             cal = self.calibrator.stats(drafter)
             out.update(calibration_samples=float(cal.n), calibration_ece_raw=cal.ece_raw,
-                       calibration_ece=cal.ece_calibrated, calibration_flat_positions=float(cal.flat_positions))
+                       calibration_ece=cal.ece_calibrated)
         return out
