@@ -1,6 +1,8 @@
 """GDN + conv kernels on the GPU: bf16 checks against the references, then CUDA-graph timings.
 
     PYTHONPATH=. python bench/kernels_gdn.py          (on the H200; writes $OUT/kernels_gdn.json)
+    PYTHONPATH=. python bench/kernels_gdn.py prefill  (prefill only: parallel precompile, bf16 checks of the block
+                                                       and two-phase kernels, then block vs two-phase vs fla, 1k-8k)
 
 Qwen3.6-35B-A3B GDN shapes: HK=16, HV=32, DK=DV=128, conv_dim 8192, conv kernel 4; bf16 q/k/v/beta, fp32 g and
 fp32 state pool [S, HV, DK, DV]. Every timed call runs inside one torch.cuda.CUDAGraph that holds R launches,
@@ -28,6 +30,7 @@ from kernels.conv import causal_conv1d_ref, conv_commit_ref
 from kernels.conv_triton import causal_conv1d_triton, conv_commit_triton
 from kernels.gdn import gdn_chunk_ref, gdn_commit_ref, gdn_recurrent_ref
 from kernels import gdn_triton as gt
+from kernels.gdn_chunk_triton import gdn_chunk2_triton
 
 HK, HV, DK, DV = 16, 32, 128, 128
 CONV_DIM, CONV_K = 2 * HK * DK + HV * DV, 4
@@ -37,7 +40,8 @@ DEV = "cuda"
 OUT = os.environ.get("OUT", "bench_out")
 T0 = time.time()
 RESULTS: dict = {"shapes": dict(HK=HK, HV=HV, DK=DK, DV=DV, conv_dim=CONV_DIM, conv_k=CONV_K),
-                 "checks": {}, "sweep": {}, "table": [], "prefill": [], "conv": [], "errors": []}
+                 "checks": {}, "sweep": {}, "table": [], "prefill": [], "prefill_sweep": {}, "conv": [],
+                 "errors": []}
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -188,17 +192,7 @@ def checks():
     o_ref = gt.gdn_commit_verify_ref(q, k, v, g, beta, cu, s_ref, perm, 17, *args)
     o_tri = gt.gdn_commit_verify_triton(q, k, v, g, beta, cu, s_tri, perm, 17, *args)
     out["commit_verify_fused"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, perm)}
-    # chunked prefill, ragged, from non-zero states
-    plens = PREFILL_CHECK_LENS
-    q, k, v, g, beta, cu = make_block(plens, 8)
-    pool = make_pool(10, 9)
-    sl = torch.tensor([3, 7, 0, 5][:len(plens)], device=DEV)
-    s_ref, s_tri = pool.clone(), pool.clone()
-    o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens))
-    for cfg in PREFILL_CFGS:
-        s_tri = pool.clone()
-        o_tri = gt.gdn_chunk_triton(q, k, v, g, beta, cu, s_tri, sl, max(plens), **cfg)
-        out[f"chunk_bt{cfg['bt']}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
+    prefill_checks()  # chunked prefill (its own section: `prefill` runs it alone)
     # stress: correlated keys, per dot precision (and the sequential kernel)
     q, k, v, g, beta, cu = make_block(lens, 10, correlated=True)
     pool = make_pool(40, 11)
@@ -286,8 +280,8 @@ def run_mode(mode, cfg, ctx):
     if mode == "fused":  # the previous block = this one, every token accepted
         return gt.gdn_commit_verify_triton(q, k, v, g, beta, cu, pool, sl, t, k, v, g, beta, ctx["starts"], keep, t,
                                            write_state=False, **_commit_cfg(cfg))
-    if mode == "chunk":
-        return gt.gdn_chunk_triton(q, k, v, g, beta, cu, pool, sl, t, **cfg)
+    if mode == "chunk":  # cfg["impl"]: "block" (the default) or "two_phase" (kernels/gdn_chunk_triton.py)
+        return run_chunk(cfg, q, k, v, g, beta, cu, pool, sl, t)
     if mode == "fla_recurrent":
         fq, fk, fv, fg, fb, init, cul = ctx["fla"]
         return fla_recurrent(fq, fk, fv, g=fg, beta=fb, initial_state=init, output_final_state=True,
@@ -322,7 +316,18 @@ SWEEP_POINTS = [(1, 16), (32, 16), (8, 4), (1, 1)]
 TABLE_B, TABLE_T = (1, 8, 32), (1, 4, 8, 16, 17)
 TABLE_MODES = ("verify", "verify_x3", "verify_w", "verify_w_tf32", "commit", "commit_tf32", "verify+commit", "fused")
 PREFILL_CFGS = [dict(bt=16, bv=64, num_warps=4), dict(bt=32, bv=64, num_warps=4), dict(bt=64, bv=64, num_warps=8)]
+# two-phase (kernels/gdn_chunk_triton.py): phase 2's value tile x warps at BT=64, then single variations of its
+# default point (bv=32, 4 warps): 2 pipeline stages, 8 warps in phase 1, tf32 state dots (less accurate: timed, not
+# picked), bf16 scratch (idem), chunks of 32
+PREFILL2_CFGS = [dict(impl="two_phase", bt=64, bv=bv, num_warps=w) for bv in (32, 64, 128) for w in (4, 8)] + [
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, num_stages=2),
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, prep_warps=8),
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, precision="tf32"),
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, scratch_dtype="bfloat16"),
+    dict(impl="two_phase", bt=32, bv=32, num_warps=4),
+]
 PREFILL_CHECK_LENS = [1000, 37, 2048, 64]
+PREFILL_STATE_TOL = 1e-5  # a config whose state error is above this is timed but never picked as the best
 PREFILL_LENS = (4096, 1024, 2048, 8192)
 
 
@@ -337,12 +342,16 @@ def warm_jobs():
     jobs += [(m, dict(impl="seq"), 17) for m in ("verify", "verify_w", "verify_mask")]
     jobs += [(m, default, 17) for m in ("verify_mask", "verify", "verify_w", "commit", "fused")]
     jobs += [("verify_w", dict(default, precision=p), 17) for p in ("tf32",)]
-    jobs += [("chunk", c, 100) for c in PREFILL_CFGS]
+    jobs += prefill_jobs()
     jobs += [("conv", {}, 16)]
     if HAVE_FLA:
         jobs += [("fla_recurrent", {}, 16), ("fla_chunk", {}, 1024)]
     seen = set()
     return [j for j in jobs if not (json.dumps(j, sort_keys=True) in seen or seen.add(json.dumps(j, sort_keys=True)))]
+
+
+def prefill_jobs():
+    return [("chunk", c, 100) for c in PREFILL_CFGS + PREFILL2_CFGS] + ([("fla_chunk", {}, 1024)] if HAVE_FLA else [])
 
 
 def _warm_one(job):
@@ -370,9 +379,10 @@ def _warm_worker(jobs):
 
 
 @section
-def precompile():
+def precompile(jobs=None):
     import multiprocessing as mp
-    jobs = warm_jobs()
+    RESULTS["precompiled"] = "all" if jobs is None else RESULTS.get("precompiled", "some")
+    jobs = warm_jobs() if jobs is None else jobs
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 15))
     chunks = [jobs[i::workers] for i in range(workers)]
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -448,26 +458,144 @@ def table():
             del pool
 
 
+def run_chunk(cfg, q, k, v, g, beta, cu, pool, sl, max_len, write_state=True):
+    cfg = dict(cfg)
+    if cfg.pop("impl", "block") == "two_phase":
+        return gdn_chunk2_triton(q, k, v, g, beta, cu, pool, sl, max_len, write_state=write_state, **cfg)
+    return gt.gdn_chunk_triton(q, k, v, g, beta, cu, pool, sl, max_len, write_state=write_state, impl="block", **cfg)
+
+
+def cfg_name(cfg):
+    return ("2p " if cfg.get("impl") == "two_phase" else "blk ") + " ".join(
+        f"{kk}={vv}" for kk, vv in cfg.items() if kk != "impl")
+
+
+@section
+def prefill_checks():
+    """Chunked prefill against gdn_chunk_ref at the real shapes, bf16 in, ragged, from non-zero states: every block
+    and two-phase config (a config that fails to compile or run is recorded and left out of the timings), the
+    two-phase default with write_state False / a mask, correlated keys, and fla's chunk kernel (the baseline)."""
+    if RESULTS.get("prefill_checked"):
+        return
+    RESULTS["prefill_checked"] = True
+    out = RESULTS["checks"]
+    failed = RESULTS.setdefault("prefill_failed", [])
+    plens = PREFILL_CHECK_LENS
+    q, k, v, g, beta, cu = make_block(plens, 8)
+    pool = make_pool(10, 9)
+    sl = torch.tensor([3, 7, 0, 5][:len(plens)], device=DEV)
+    s_ref = pool.clone()
+    o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens))
+    for cfg in PREFILL_CFGS + PREFILL2_CFGS:
+        name = cfg_name(cfg)
+        try:
+            s_tri = pool.clone()
+            o_tri = run_chunk(cfg, q, k, v, g, beta, cu, s_tri, sl, max(plens))
+            torch.cuda.synchronize()
+            out[f"chunk {name}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
+            if not out[f"chunk {name}"]["state"] <= PREFILL_STATE_TOL:
+                RESULTS.setdefault("prefill_inexact", []).append(name)
+        except Exception:  # noqa: BLE001 - a config that does not compile is reported, the others still run
+            tb = traceback.format_exc()
+            failed.append(name)
+            RESULTS["errors"].append({"section": f"prefill_checks {name}", "traceback": tb})
+            log(f"FAILED chunk {name}:\n{tb}")
+    default = dict(impl="two_phase")
+    for wname, ws in (("nowrite", False), ("mask", torch.tensor([1, 0, 1, 0], dtype=torch.bool, device=DEV))):
+        s_ref, s_tri = pool.clone(), pool.clone()
+        o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens), write_state=ws)
+        o_tri = run_chunk(default, q, k, v, g, beta, cu, s_tri, sl, max(plens), write_state=ws)
+        out[f"chunk 2p default {wname}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
+    q, k, v, g, beta, cu = make_block(plens, 14, correlated=True)
+    s_ref = pool.clone()
+    o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens))
+    for name, cfg in (("block", PREFILL_CFGS[0]), ("2p", default)):
+        s_tri = pool.clone()
+        o_tri = run_chunk(cfg, q, k, v, g, beta, cu, s_tri, sl, max(plens))
+        out[f"chunk stress_correlated {name}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
+    if HAVE_FLA:
+        try:
+            q, k, v, g, beta, cu = make_block([2048], 15)
+            s_ref = pool.clone()
+            o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl[:1], 2048)
+            o_fla, s_fla = fla_chunk(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g=g[None],
+                                     beta=beta[None], initial_state=pool[sl[:1]].contiguous(),
+                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+            out["chunk fla_chunk"] = {"o": rel(o_fla[0], o_ref), "state": rel(s_fla, s_ref[sl[:1]])}
+        except Exception:  # noqa: BLE001
+            RESULTS["errors"].append({"section": "prefill_checks fla", "traceback": traceback.format_exc()})
+    for name, r in out.items():
+        if name.startswith("chunk"):
+            log(f"check {name:58s} " + " ".join(f"{kk}={e:.2e}" for kk, e in r.items()))
+
+
 @section
 def prefill():
-    """Chunked prefill, one request of 1k..8k tokens from a non-zero state; eager do_bench (no graph)."""
-    for n in PREFILL_LENS:  # the first one picks the config for the others
+    """Chunked prefill, one request of 1k..8k tokens from a non-zero state; eager do_bench (no graph). The first
+    length sweeps every block and two-phase config; the others time the best of each, fla and the torch ref."""
+    if not RESULTS.get("precompiled"):
+        precompile(prefill_jobs())
+    prefill_checks()
+    failed = set(RESULTS.get("prefill_failed", []))
+    sweep_res = RESULTS["prefill_sweep"]
+    for n in PREFILL_LENS:  # the first one picks the configs for the others
         pool = make_pool(2, 21)
         ctx = prepare(make_block([n], 20), pool, torch.tensor([1], device=DEV), n)
         row = {"B": 1, "T": n,
                "floor_us": (2 * STATE_BYTES + n * (2 * HK * DK * 2 + 2 * HV * DV * 2 + HV * 6)) / BW * 1e6}
-        for cfg in PREFILL_CFGS if n == PREFILL_LENS[0] else [RESULTS["prefill_cfg"]]:
-            row[f"ours {json.dumps(cfg, sort_keys=True)}"] = eager_us(lambda: run_mode("chunk", cfg, ctx))
-        if n == PREFILL_LENS[0]:
-            best = min((kk for kk in row if kk.startswith("ours ")), key=lambda kk: row[kk])
-            RESULTS["prefill_cfg"] = json.loads(best[5:])
-        row["ours"] = min(vv for kk, vv in row.items() if kk.startswith("ours "))
+        for kind, cfgs in (("block", PREFILL_CFGS), ("two_phase", PREFILL2_CFGS)):
+            if n != PREFILL_LENS[0]:
+                cfgs = [RESULTS[f"prefill_cfg_{kind}"]] if RESULTS.get(f"prefill_cfg_{kind}") else []
+            times = {}
+            for cfg in cfgs:
+                name = cfg_name(cfg)
+                if name in failed:
+                    continue
+                try:
+                    times[name] = eager_us(lambda: run_mode("chunk", cfg, ctx))
+                except Exception:  # noqa: BLE001
+                    failed.add(name)
+                    RESULTS["errors"].append({"section": f"prefill {name}", "traceback": traceback.format_exc()})
+                    log(f"FAILED timing {name}")
+                    continue
+                sweep_res.setdefault(name, {})[f"T{n}"] = times[name]
+            exact = {kk: vv for kk, vv in times.items() if kk not in RESULTS.get("prefill_inexact", [])}
+            if exact:
+                best = min(exact, key=exact.get)
+                if n == PREFILL_LENS[0]:
+                    RESULTS[f"prefill_cfg_{kind}"] = next(c for c in cfgs if cfg_name(c) == best)
+                    log(f"{kind} sweep at T={n} (us; * = state error over {PREFILL_STATE_TOL}, not picked): "
+                        + "; ".join(f"{kk}{'' if kk in exact else '*'}: {vv:.0f}"
+                                    for kk, vv in sorted(times.items(), key=lambda x: x[1])))
+                row[kind] = times[best]
+                if kind == "two_phase":  # phase 1 alone (the parallel UT transform), for the split of the time
+                    prep = dict(RESULTS["prefill_cfg_two_phase"], only_prep=True)
+                    try:
+                        row["two_phase_prep"] = eager_us(lambda: run_mode("chunk", prep, ctx))
+                    except Exception:  # noqa: BLE001
+                        RESULTS["errors"].append({"section": "prefill prep", "traceback": traceback.format_exc()})
+        row["ours"] = row.get("block", float("nan"))  # (the key earlier runs wrote)
         q, k, v, g, beta, cu = ctx["blk"]
         row["torch_ref"] = eager_us(lambda: gdn_chunk_ref(q, k, v, g, beta, cu, pool, ctx["sl"], n))
         if HAVE_FLA:
-            row["fla_chunk"] = eager_us(lambda: run_mode("fla_chunk", {}, ctx))
+            try:
+                row["fla_chunk"] = eager_us(lambda: run_mode("fla_chunk", {}, ctx))
+            except Exception as exc:  # noqa: BLE001
+                row["fla_error"] = repr(exc)
         RESULTS["prefill"].append(row)
         log(fmt(row))
+    RESULTS["prefill_cfg"] = RESULTS.get("prefill_cfg_block")
+    nan = float("nan")
+    lines = [f"prefill on {torch.cuda.get_device_name()}, B=1, eager, us per layer (HV={HV} DK=DV={DK}); "
+             f"block {RESULTS.get('prefill_cfg_block')}, two-phase {RESULTS.get('prefill_cfg_two_phase')}",
+             f"{'T':>5} {'floor':>6} {'block':>8} {'2phase':>8} {'(ph1)':>7} {'fla':>8} {'ref':>8} {'blk/2p':>7} "
+             f"{'2p/fla':>7}"]
+    for r in RESULTS["prefill"]:
+        b, tp, fl = r.get("block", nan), r.get("two_phase", nan), r.get("fla_chunk", nan)
+        lines.append(f"{r['T']:>5} {r['floor_us']:6.1f} {b:8.0f} {tp:8.0f} {r.get('two_phase_prep', nan):7.0f} "
+                     f"{fl:8.0f} {r['torch_ref']:8.0f} "
+                     f"{b / tp:7.2f} {tp / fl:7.2f}")
+    print("\n".join(lines), flush=True)
 
 
 @section
@@ -502,8 +630,9 @@ def summary():
                      + " ".join(f"{r.get(c, float('nan')):7.2f}" for c in cols))
     if RESULTS["prefill"]:
         lines.append("prefill (B=1, eager, us): " + "; ".join(
-            f"T={r['T']}: ours {r['ours']:.0f} ref {r['torch_ref']:.0f} fla {r.get('fla_chunk', float('nan')):.0f} "
-            f"floor {r['floor_us']:.1f}" for r in RESULTS["prefill"]))
+            f"T={r['T']}: block {r.get('block', float('nan')):.0f} two-phase {r.get('two_phase', float('nan')):.0f} "
+            f"ref {r['torch_ref']:.0f} fla {r.get('fla_chunk', float('nan')):.0f} floor {r['floor_us']:.1f}"
+            for r in RESULTS["prefill"]))
     worst = {k: max(v.values()) for k, v in RESULTS["checks"].items()}
     lines.append(f"checks: {len(worst)} run, over 1e-4: " + ", ".join(f"{k} {e:.1e}" for k, e in worst.items()
                                                                        if e > 1e-4)

@@ -53,6 +53,12 @@ COMMIT_WIDE_FROM, COMMIT_WIDE_BV, COMMIT_WIDE_WARPS = 32, 32, 2
 CHUNK_BT = 16  # prefill: blocks of 16 walked in order (measured: 16 < 32 < 64 in time; same result as chunks of 64)
 CHUNK_BV = 64
 CHUNK_WARPS = 4
+# Chunked prefill (max_len > 32) under impl "auto": "block" (_gdn_fwd_kernel, blocks of CHUNK_BT walked in order) or
+# "two_phase" (kernels/gdn_chunk_triton.py: parallel UT transform per chunk, then the state pass). The environment
+# variable HYBRIDSPEC_GDN_PREFILL (read at each call) overrides it. Measured on the H200 (bench/kernels_gdn.py prefill,
+# 2026-12-01, B=1, eager, us per layer): T = 1024 / 2048 / 4096 / 8192: block 852 / 1706 / 3415 / 6844, two_phase
+# 325 / 637 / 1260 / 2508 (fla-core's chunk_gated_delta_rule: 1280 / 1252 / 1282 / 710 in the same run).
+PREFILL_IMPL = "two_phase"
 # fp32 dots: "ieee" (exact fp32, FMA units), "tf32x3" (three tf32 tensor-core passes, ~fp32) or "tf32".
 DOT_PRECISION = os.environ.get("HYBRIDSPEC_GDN_DOT", "tf32x3")  # dots that feed a state that is written
 DOT_PRECISION_OUT = os.environ.get("HYBRIDSPEC_GDN_DOT_OUT", "tf32")  # dots that feed only outputs
@@ -424,6 +430,13 @@ def _auto_impl(bsz: int, max_len: int, write_state) -> str:
     return "block" if 9 <= max_len <= 16 else "seq"
 
 
+def _prefill_impl() -> str:
+    impl = os.environ.get("HYBRIDSPEC_GDN_PREFILL", PREFILL_IMPL)
+    if impl not in ("block", "two_phase"):
+        raise ValueError(f"HYBRIDSPEC_GDN_PREFILL must be 'block' or 'two_phase', got {impl!r}")
+    return impl
+
+
 def _block_tokens(max_len: int) -> int:
     return 16 if max_len <= 16 else 32 if max_len <= 32 else CHUNK_BT
 
@@ -442,7 +455,8 @@ def gdn_triton(
     use_qk_l2norm: bool = True,
     write_state: bool | Tensor = True,
     *,
-    impl: str = "auto",  # "block" (WY form), "seq" (one token at a time) or "auto" (_auto_impl, measured)
+    impl: str = "auto",  # "block" (WY form), "seq" (one token at a time), "two_phase" (prefill, kernels/
+    # gdn_chunk_triton.py) or "auto" (_auto_impl, measured; prefill: PREFILL_IMPL / HYBRIDSPEC_GDN_PREFILL)
     bt: int | None = None,
     bv: int | None = None,
     num_warps: int | None = None,
@@ -452,6 +466,11 @@ def gdn_triton(
 ) -> Tensor:
     """gdn_ref in one launch: o [N, HV, DV] in v's dtype. Blocks of 16/32 tokens for verification (one block per
     request), CHUNK_BT for longer (prefill) requests; the keyword-only arguments are for measurement."""
+    if impl == "two_phase" or (impl == "auto" and max_len > 32 and _prefill_impl() == "two_phase"):
+        from kernels.gdn_chunk_triton import gdn_chunk2_triton
+        opts = dict(bt=bt, bv=bv, num_warps=num_warps, precision=precision, precision_out=precision_out)
+        return gdn_chunk2_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm,
+                                 write_state, **{key: val for key, val in opts.items() if val is not None})
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [N, HV, DV] contiguous (as in every step)
@@ -498,7 +517,14 @@ def gdn_verify_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale
 
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale=None, use_qk_l2norm=True,
                      write_state=True, **kw):
-    """Varlen chunked prefill from each request's state (blocks of CHUNK_BT); same semantics as gdn_chunk_ref."""
+    """Varlen chunked prefill from each request's state (blocks of CHUNK_BT); same semantics as gdn_chunk_ref.
+    impl "two_phase" (or "auto" with PREFILL_IMPL / HYBRIDSPEC_GDN_PREFILL = "two_phase"): kernels/gdn_chunk_triton.py
+    with the remaining keyword arguments (the default); "block" (HYBRIDSPEC_GDN_PREFILL=block): the block kernel."""
+    if kw.get("impl", "auto") == "two_phase" or (kw.get("impl", "auto") == "auto" and _prefill_impl() == "two_phase"):
+        from kernels.gdn_chunk_triton import gdn_chunk2_triton
+        kw.pop("impl", None)
+        return gdn_chunk2_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm,
+                                 write_state, **kw)
     kw.setdefault("bt", CHUNK_BT)
     kw.setdefault("bv", CHUNK_BV)
     kw.setdefault("num_warps", CHUNK_WARPS)

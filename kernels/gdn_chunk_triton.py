@@ -1,0 +1,301 @@
+"""Gated delta rule chunked prefill in two phases (Triton): `gdn_chunk2_triton` ~ kernels.gdn.gdn_chunk_ref.
+
+The block kernel of kernels/gdn_triton.py (`gdn_chunk_triton`) walks each request's whole sequence in one program
+per (request, value head, value tile) and redoes the S-independent work of every block (k k^T, the UT inverse)
+inside that sequential walk. Here the work is split in two launches:
+
+Phase 1 `_chunk_prep_kernel`, one program per (request, chunk of BT tokens, value head), all chunks in parallel
+(programs past their request's length exit). For the chunk's rows i, j (k, q L2-normalised, q scaled):
+    gc = cumsum(g) inside the chunk,  D_ij = exp(gc_i - gc_j) for j <= i, else 0
+    A = strictly_lower(beta_i k_i.k_j D_ij),  T = (I + A)^-1          (forward substitution, row by row)
+    w = T (beta k exp(gc))  [BT, DK],  u = T (beta v)  [BT, DV],  P = lower_incl_diag(q k^T * D)  [BT, BT]
+k k^T, q k^T and the row norms come from KC-wide column pieces of the raw q, k. Stored by flat token row: w [N, HV,
+DK], u [N, HV, DV], P [N, HV, BT] (row i's row of P) in `scratch_dtype`; gc, fq = |q|^-1 scale exp(gc) and
+fk = |k|^-1 exp(gc_last - gc) as fp32 [N, HV]. Nothing of the state enters phase 1.
+
+Phase 2 `_chunk_state_kernel`, one program per (request, value head, BV-wide value tile), sequential over the
+request's chunks; the state tile S [DK, BV] fp32 comes from state[slots[b]] and stays in registers (as one or two
+KS-row pieces, so that the [BT, DK] operands are multiplied piece by piece):
+    v_new = u - w S
+    o = (q_raw fq) S + P v_new
+    S <- exp(gc_last) S + (k_raw fk)^T v_new
+then S is stored (write_state True / False / [B] mask). Phase 2 re-reads the raw q, k (input dtype, shared by the
+HV / HK value heads of a key head) times the row factors instead of normalised fp32 copies: half the bytes or less.
+
+Scratch dtype: fp32 by default. w and u feed the state directly (v_new = u - w S, summed into S over every chunk of
+the request); bf16 copies put ~4e-3 relative rounding on every chunk's update of an fp32 state that the block
+kernel keeps to ~3e-7 (3e-3 state error measured under the interpreter). The cost is bandwidth: at HV=32,
+DK=DV=128, fp32 w + u + P are 1.25 KB per token and head (340 MB for 8192 tokens), written once and read DV/BV
+times (mostly from L2: the value tiles of a head walk the same chunks together); `scratch_dtype=torch.bfloat16`
+halves it, for measurement.
+
+Dot precision as in kernels/gdn_triton.py: dots that feed the state (k k^T, T applied to w and u, w S, k^T v_new) in
+`precision` (DOT_PRECISION, tf32x3), output-only dots (q k^T, q S, P v_new) in `precision_out` (tf32). Inputs are
+upcast to fp32 right after their loads (the Triton interpreter computes bf16 arithmetic wrongly). No host
+synchronization: the grids come from B, max_len (a host int) and the tensor shapes. Nothing size-derived is a
+kernel argument (no recompiles per step shape): lengths come from cu_seqlens on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _rowmajor, _write_mode
+
+# Defaults from sm_90 compiles of this file (triton 3.7 offline, ptxas -v; DK=DV=128, bf16 in), not yet timed on
+# the H200 (bench/kernels_gdn.py prefill sweeps them):
+#   phase 1: BT=64, KC=32, 4 warps: 242 registers, no spill, 32 KB shared (KC=64: 584 B spill a thread, 48 KB).
+#   phase 2: KS=64 pieces, 4 warps: BV=32 152 B spill, 40 KB shared; BV=64 432 B, 64 KB; BV=128 3.5 KB spill;
+#            8 warps spill more (M=64 dots: each warp group holds the whole [64, KS] A operand); with
+#            precision="tf32" BV=64 spills 8 B (the tf32x3 A operand is two register copies).
+# BV=32 also gives HV * DV / 32 = 128 programs for one request, about one per SM.
+CHUNK2_BT = 64  # tokens per chunk (phase 1 parallel unit, phase 2 step)
+CHUNK2_BV = 32  # phase 2 value tile
+CHUNK2_KS = 64  # phase 2: the key dimension in pieces of KS (1 or 2 pieces): [BT, KS] operands, not [BT, DK]
+CHUNK2_WARPS = 4  # phase 2
+CHUNK2_STAGES = 2  # phase 2 (H200, T=4096: 1260 us against 1457 with 1 stage; 2 stages at BV=64: 145 KB shared)
+PREP_WARPS = 4  # phase 1
+PREP_KC = 32  # phase 1: key columns per piece of k k^T, q k^T and w
+PREP_BVU = 64  # phase 1: value columns of u per dot
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr,
+    w_ptr, u_ptr, p_ptr,  # scratch (scratch dtype): w [N, HV, DK], u [N, HV, DV], P [N, HV, BT]
+    gc_ptr, fq_ptr, fk_ptr,  # scratch fp32 [N, HV]: gc, q's row factor, k's row factor
+    scale,
+    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
+    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BVU: tl.constexpr,
+    L2NORM: tl.constexpr, PS: tl.constexpr, PO: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    hv = tl.program_id(2)
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    seq_len = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    t0 = c * BT
+    if t0 < seq_len:  # programs past the request's last chunk do nothing
+        n = tl.minimum(seq_len - t0, BT)
+        t = tl.arange(0, BT)  # [BT]
+        tm = t < n  # [BT]
+        rows = bos + t0 + t.to(tl.int64)  # [BT] flat token rows
+        k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
+        q_rows = q_ptr + rows[:, None] * s_qn + hk * s_qh  # [BT, 1]
+        # k k^T, q k^T and the row norms from KC-wide column pieces of the raw q, k ([BT, KC] operands: modest
+        # registers and shared memory), normalised afterwards
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        ksq = tl.zeros([BT], dtype=tl.float32)
+        qsq = tl.zeros([BT], dtype=tl.float32)
+        for c0 in range(0, BK, KC):
+            dc = c0 + tl.arange(0, KC)  # [KC]
+            cm = tm[:, None] & (dc < DK)[None, :]  # [BT, KC]
+            kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            kk = tl.dot(kc, tl.trans(kc), kk, input_precision=PS)
+            qk = tl.dot(qc, tl.trans(kc), qk, input_precision=PO)
+            ksq += tl.sum(kc * kc, axis=1)
+            qsq += tl.sum(qc * qc, axis=1)
+        if L2NORM:
+            rk = tl.rsqrt(ksq + 1e-6)  # [BT]
+            rq = tl.rsqrt(qsq + 1e-6) * scale  # [BT]
+        else:
+            rk = tl.full([BT], 1.0, tl.float32)
+            rq = tl.full([BT], 1.0, tl.float32) * scale
+        g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT]
+        beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
+        gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay inside the chunk (padding adds 0)
+        g_last = tl.sum(g, axis=0)  # the chunk's total log decay
+
+        ti = t[:, None]  # [BT, 1]
+        tj = t[None, :]  # [1, BT]
+        lower_eq = tj <= ti  # [BT, BT]
+        decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diag
+        # P = causal (diagonal included) (q k^T * D) with q, k normalised and q scaled: phase 2's intra-chunk term
+        p = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT]
+        row_ht = rows * HV + hv  # [BT] row of (token, value head) in the scratch buffers
+        tl.store(p_ptr + row_ht[:, None] * BT + tj, p.to(p_ptr.dtype.element_ty), mask=tm[:, None])
+        tl.store(gc_ptr + row_ht, gc, mask=tm)
+        tl.store(fq_ptr + row_ht, rq * tl.exp(gc), mask=tm)  # o's inter-chunk term uses q_raw * fq
+        tl.store(fk_ptr + row_ht, rk * tl.exp(g_last - gc), mask=tm)  # the state update uses k_raw * fk
+
+        # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j with rows j < i already final
+        y = tl.where(tj < ti, -(beta[:, None] * kk * rk[:, None] * rk[None, :] * decay), 0.0)  # [BT, BT] = -A
+        for i in range(2, n):
+            a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT] row i of -A
+            a = a + tl.sum(a[:, None] * y, axis=0)
+            y = tl.where(ti == i, a[None, :], y)
+        inv = y + (ti == tj).to(tl.float32)  # [BT, BT] T = (I + A)^-1
+
+        fw = rk * beta * tl.exp(gc)  # [BT] w = T (k_raw * fw)
+        for c0 in range(0, BK, KC):
+            dc = c0 + tl.arange(0, KC)  # [KC]
+            cm = tm[:, None] & (dc < DK)[None, :]  # [BT, KC]
+            kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            w = tl.dot(inv, kc * fw[:, None], input_precision=PS)  # [BT, KC]
+            tl.store(w_ptr + row_ht[:, None] * DK + dc[None, :], w.to(w_ptr.dtype.element_ty), mask=cm)
+        for v0 in range(0, DV, BVU):
+            dv = v0 + tl.arange(0, BVU)  # [BVU]
+            vm = tm[:, None] & (dv < DV)[None, :]  # [BT, BVU]
+            v = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dv[None, :], mask=vm, other=0.0).to(tl.float32)
+            u = tl.dot(inv, v * beta[:, None], input_precision=PS)  # [BT, BVU]
+            tl.store(u_ptr + row_ht[:, None] * DV + dv[None, :], u.to(u_ptr.dtype.element_ty), mask=vm)
+
+
+@triton.jit
+def _rows_tile(ptr, row_off, cols, tm, NCOLS: tl.constexpr):
+    """[BT, KS] fp32 tile: rows at ptr + row_off (pointer offsets [BT]), columns `cols` (< NCOLS), rows where tm."""
+    return tl.load(ptr + row_off[:, None] + cols[None, :], mask=tm[:, None] & (cols < NCOLS)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    q_ptr, k_ptr, o_ptr, cu_ptr, w_ptr, u_ptr, p_ptr, gc_ptr, fq_ptr, fk_ptr, state_ptr, slots_ptr, wmask_ptr,
+    s_qn, s_qh, s_kn, s_kh, s_on, s_oh, s_ss, s_sh, s_sk,
+    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, KS: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
+    WRITE: tl.constexpr,  # 0: never write the final state, 1: always, 2: where wmask[b]
+    PS: tl.constexpr, PO: tl.constexpr,
+):
+    """The state tile is held as NK (1 or 2) pieces S0, S1 [KS, BV] of its DK rows, and every [BT, DK] operand is
+    loaded and multiplied piece by piece, so that no [BT, DK] fp32 tile (two of them for a tf32x3 operand) is held
+    in registers at once. q and k come raw (input dtype) times phase 1's row factors fq, fk."""
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    seq_len = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    if seq_len > 0:  # a request of no tokens reads and writes nothing (its state is unchanged either way)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        t = tl.arange(0, BT)  # [BT]
+        d0 = tl.arange(0, KS)  # [KS] key rows of piece 0
+        d1 = KS + tl.arange(0, KS)  # [KS] key rows of piece 1 (NK == 2)
+        dv = v0 + tl.arange(0, BV)  # [BV]
+        vmask = dv < DV
+        s_base = state_ptr + slot * s_ss + hv * s_sh
+        S0 = tl.load(s_base + d0[:, None] * s_sk + dv[None, :], mask=(d0 < DK)[:, None] & vmask[None, :],
+                     other=0.0)  # [KS, BV] fp32
+        S1 = tl.zeros([KS, BV], dtype=tl.float32)
+        if NK == 2:
+            S1 = tl.load(s_base + d1[:, None] * s_sk + dv[None, :], mask=(d1 < DK)[:, None] & vmask[None, :],
+                         other=0.0)  # [KS, BV]
+        for t0 in range(0, seq_len, BT):
+            n = tl.minimum(seq_len - t0, BT)
+            tm = t < n  # [BT]
+            rows = bos + t0 + t.to(tl.int64)  # [BT]
+            row_ht = rows * HV + hv  # [BT]
+            vm = tm[:, None] & vmask[None, :]  # [BT, BV]
+            # v_new = u - w S
+            u = tl.load(u_ptr + row_ht[:, None] * DV + dv[None, :], mask=vm, other=0.0).to(tl.float32)  # [BT, BV]
+            ws = tl.dot(_rows_tile(w_ptr, row_ht * DK, d0, tm, DK), S0, input_precision=PS)  # [BT, BV]
+            if NK == 2:
+                ws = tl.dot(_rows_tile(w_ptr, row_ht * DK, d1, tm, DK), S1, ws, input_precision=PS)
+            v_new = u - ws  # [BT, BV]
+            # o = (q exp(gc)) S + P v_new
+            fq = tl.load(fq_ptr + row_ht, mask=tm, other=0.0)  # [BT]
+            q_off = rows * s_qn + hk * s_qh  # [BT]
+            o = tl.dot(_rows_tile(q_ptr, q_off, d0, tm, DK) * fq[:, None], S0, input_precision=PO)  # [BT, BV]
+            if NK == 2:
+                o = tl.dot(_rows_tile(q_ptr, q_off, d1, tm, DK) * fq[:, None], S1, o, input_precision=PO)
+            p = tl.load(p_ptr + row_ht[:, None] * BT + t[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            o = tl.dot(p, v_new, o, input_precision=PO)  # [BT, BV]
+            tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=vm)
+            # S <- exp(g_last) S + (k exp(g_last - gc))^T v_new
+            g_last = tl.load(gc_ptr + (bos + t0 + n - 1) * HV + hv)  # the chunk's total log decay
+            eg = tl.exp(g_last)
+            fk = tl.load(fk_ptr + row_ht, mask=tm, other=0.0)  # [BT]
+            k_off = rows * s_kn + hk * s_kh  # [BT]
+            S0 = tl.dot(tl.trans(_rows_tile(k_ptr, k_off, d0, tm, DK) * fk[:, None]), v_new, S0 * eg,
+                        input_precision=PS)  # [KS, BV]
+            if NK == 2:
+                S1 = tl.dot(tl.trans(_rows_tile(k_ptr, k_off, d1, tm, DK) * fk[:, None]), v_new, S1 * eg,
+                            input_precision=PS)
+        if WRITE == 2:
+            do_write = tl.load(wmask_ptr + b) != 0
+        else:
+            do_write = WRITE == 1
+        if do_write:
+            tl.store(s_base + d0[:, None] * s_sk + dv[None, :], S0, mask=(d0 < DK)[:, None] & vmask[None, :])
+            if NK == 2:
+                tl.store(s_base + d1[:, None] * s_sk + dv[None, :], S1, mask=(d1 < DK)[:, None] & vmask[None, :])
+
+
+def gdn_chunk2_triton(
+    q: Tensor,  # [N, HK, DK]
+    k: Tensor,  # [N, HK, DK]
+    v: Tensor,  # [N, HV, DV]
+    g: Tensor,  # [N, HV] log decay (<= 0)
+    beta: Tensor,  # [N, HV]
+    cu_seqlens: Tensor,  # [B+1] int32
+    state: Tensor,  # [S, HV, DK, DV] fp32 pool
+    slots: Tensor,  # [B] int64
+    max_len: int,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    write_state: bool | Tensor = True,
+    *,
+    bt: int = CHUNK2_BT,
+    bv: int = CHUNK2_BV,
+    ks: int = CHUNK2_KS,
+    num_warps: int = CHUNK2_WARPS,
+    num_stages: int = CHUNK2_STAGES,
+    prep_warps: int = PREP_WARPS,
+    prep_stages: int = 1,
+    bvu: int = PREP_BVU,
+    kc: int = PREP_KC,
+    scratch_dtype: torch.dtype | str = torch.float32,  # w, u, P (a name: "bfloat16")
+    precision: str | None = None,
+    precision_out: str | None = None,
+    only_prep: bool = False,  # measurement: run phase 1 alone (o is left unwritten, the state untouched)
+) -> Tensor:
+    """gdn_chunk_ref in two launches (parallel UT transform per chunk, then the sequential state pass): o [N, HV,
+    DV] in v's dtype; the keyword-only arguments are tile sizes / launch options for measurement."""
+    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
+    n_tok, heads_k, dim_k = k.shape
+    heads_v, dim_v = v.shape[1], v.shape[2]
+    assert heads_v % heads_k == 0 and state.shape[1:] == (heads_v, dim_k, dim_v) and state.dtype == torch.float32
+    assert state.stride(-1) == 1 and bt >= 16 and bt == triton.next_power_of_2(bt)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [N, HV, DV]
+    bsz = slots.shape[0]
+    if bsz == 0 or n_tok == 0 or max_len <= 0:
+        return o
+    write, wmask = _write_mode(write_state, slots)
+    bk = max(16, triton.next_power_of_2(dim_k))
+    bv = min(bv, max(16, triton.next_power_of_2(dim_v)))
+    bvu = min(bvu, max(16, triton.next_power_of_2(dim_v)))
+    ks, kc = min(ks, bk), min(kc, bk)
+    nk = triton.cdiv(bk, ks)
+    assert nk <= 2, f"the key dimension {dim_k} is at most two pieces of ks={ks}"
+    prec, prec_out = precision or DOT_PRECISION, precision_out or DOT_PRECISION_OUT
+    scratch_dtype = getattr(torch, scratch_dtype) if isinstance(scratch_dtype, str) else scratch_dtype
+    dev = v.device
+    w_s = torch.empty(n_tok, heads_v, dim_k, dtype=scratch_dtype, device=dev)  # [N, HV, DK]
+    u_s = torch.empty(n_tok, heads_v, dim_v, dtype=scratch_dtype, device=dev)  # [N, HV, DV]
+    p_s = torch.empty(n_tok, heads_v, bt, dtype=scratch_dtype, device=dev)  # [N, HV, BT]
+    gc_s, fq_s, fk_s = torch.empty(3, n_tok, heads_v, dtype=torch.float32, device=dev)  # [N, HV] each
+    _chunk_prep_kernel[(bsz, triton.cdiv(max_len, bt), heads_v)](
+        q, k, v, g, beta, cu_seqlens, w_s, u_s, p_s, gc_s, fq_s, fk_s, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1),
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, KC=kc, BVU=bvu, L2NORM=use_qk_l2norm, PS=prec,
+        PO=prec_out, num_warps=prep_warps, num_stages=prep_stages,
+    )
+    if only_prep:
+        return o
+    _chunk_state_kernel[(bsz, heads_v, triton.cdiv(dim_v, bv))](
+        q, k, o, cu_seqlens, w_s, u_s, p_s, gc_s, fq_s, fk_s, state, slots, wmask,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, KS=ks, NK=nk, BV=bv, WRITE=write, PS=prec, PO=prec_out,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o
