@@ -102,7 +102,7 @@ class Phases:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, steps, ms per step]")
+    ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, steps, mean ms per step, median ms per step]")
     ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
     ap.add_argument("--batches", default="1,64", help="batch sizes whose decode steps are reported")
     args, rest = ap.parse_known_args()

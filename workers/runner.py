@@ -410,7 +410,6 @@ class ModelRunner:
         if graphs is not None and decode_only:
             key = graphs.bucket(len(requests), starts[-1], max(len(b) for b in blocks),
                                 max(len(r.pages) for r in requests))
-        captures_before = self.captures_total()
         timer = _ForwardTimer(self.device)
         out = None
         if key is not None:  # a captured graph: logits of every flat row, spans index them directly
@@ -483,7 +482,8 @@ class ModelRunner:
                                    r.context_len, r.pages, r.slot) for i, r in enumerate(requests)])
         # 5. what the latency model and the calibration learn from this step (a step that captured a graph
         # first is no measurement of the step: its time goes to the calibration only)
-        self.last_step_captured = captured or self.captures_total() > captures_before  # the drafter's too
+        # (the drafter's too, its propose's included: a drafter graph captured there is no served step's time)
+        self.last_step_captured = captured or self.captures_total() > captures_at_start
         self.last_step_eager = graphs is not None and decode_only and key is None  # graphs on, this step eager
         self.last_draft_width = max((r.k for r in draft_reqs), default=0)  # drafts asked per request (0: none)
         # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
