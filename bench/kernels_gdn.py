@@ -318,14 +318,18 @@ TABLE_MODES = ("verify", "verify_x3", "verify_w", "verify_w_tf32", "commit", "co
 PREFILL_CFGS = [dict(bt=16, bv=64, num_warps=4), dict(bt=32, bv=64, num_warps=4), dict(bt=64, bv=64, num_warps=8)]
 # two-phase (kernels/gdn_chunk_triton.py): phase 2's value tile x warps at BT=64, then single variations of its
 # default point (bv=32, 4 warps): 2 pipeline stages, 8 warps in phase 1, tf32 state dots (less accurate: timed, not
-# picked), bf16 scratch (idem), chunks of 32
+# picked), bf16 scratch (idem), chunks of 32; phase 1's block inverse (inverse="blocks") at BT=64 and 32
 PREFILL2_CFGS = [dict(impl="two_phase", bt=64, bv=bv, num_warps=w) for bv in (32, 64, 128) for w in (4, 8)] + [
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, num_stages=2),
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, prep_warps=8),
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, precision="tf32"),
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, scratch_dtype="bfloat16"),
     dict(impl="two_phase", bt=32, bv=32, num_warps=4),
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, inverse="blocks"),
+    dict(impl="two_phase", bt=64, bv=64, num_warps=4, inverse="blocks"),
+    dict(impl="two_phase", bt=32, bv=32, num_warps=4, inverse="blocks"),
 ]
+PREFILL2_INVERSES = ("rows", "blocks")  # every length: the best two-phase config with each phase-1 inverse
 PREFILL_CHECK_LENS = [1000, 37, 2048, 64]
 PREFILL_STATE_TOL = 1e-5  # a config whose state error is above this is timed but never picked as the best
 PREFILL_LENS = (4096, 1024, 2048, 8192)
@@ -509,7 +513,7 @@ def prefill_checks():
     q, k, v, g, beta, cu = make_block(plens, 14, correlated=True)
     s_ref = pool.clone()
     o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens))
-    for name, cfg in (("block", PREFILL_CFGS[0]), ("2p", default)):
+    for name, cfg in (("block", PREFILL_CFGS[0]), ("2p", default), ("2p blocks", dict(default, inverse="blocks"))):
         s_tri = pool.clone()
         o_tri = run_chunk(cfg, q, k, v, g, beta, cu, s_tri, sl, max(plens))
         out[f"chunk stress_correlated {name}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
@@ -574,6 +578,18 @@ def prefill():
                         row["two_phase_prep"] = eager_us(lambda: run_mode("chunk", prep, ctx))
                     except Exception:  # noqa: BLE001
                         RESULTS["errors"].append({"section": "prefill prep", "traceback": traceback.format_exc()})
+        if RESULTS.get("prefill_cfg_two_phase"):  # the best two-phase config with each inverse: whole, phase 1 alone
+            for inv in PREFILL2_INVERSES:
+                cfg = dict(RESULTS["prefill_cfg_two_phase"], inverse=inv)
+                if cfg_name(cfg) in failed:
+                    continue
+                try:
+                    row[f"2p_{inv}"] = eager_us(lambda: run_mode("chunk", cfg, ctx))
+                    row[f"ph1_{inv}"] = eager_us(lambda: run_mode("chunk", dict(cfg, only_prep=True), ctx))
+                except Exception:  # noqa: BLE001
+                    failed.add(cfg_name(cfg))
+                    RESULTS["errors"].append({"section": f"prefill inverse={inv}",
+                                              "traceback": traceback.format_exc()})
         row["ours"] = row.get("block", float("nan"))  # (the key earlier runs wrote)
         q, k, v, g, beta, cu = ctx["blk"]
         row["torch_ref"] = eager_us(lambda: gdn_chunk_ref(q, k, v, g, beta, cu, pool, ctx["sl"], n))
@@ -589,12 +605,14 @@ def prefill():
     lines = [f"prefill on {torch.cuda.get_device_name()}, B=1, eager, us per layer (HV={HV} DK=DV={DK}); "
              f"block {RESULTS.get('prefill_cfg_block')}, two-phase {RESULTS.get('prefill_cfg_two_phase')}",
              f"{'T':>5} {'floor':>6} {'block':>8} {'2phase':>8} {'(ph1)':>7} {'fla':>8} {'ref':>8} {'blk/2p':>7} "
-             f"{'2p/fla':>7}"]
+             f"{'2p/fla':>7}  " + " ".join(f"{'2p_' + i:>9} {'ph1_' + i:>10}" for i in PREFILL2_INVERSES)]
     for r in RESULTS["prefill"]:
         b, tp, fl = r.get("block", nan), r.get("two_phase", nan), r.get("fla_chunk", nan)
         lines.append(f"{r['T']:>5} {r['floor_us']:6.1f} {b:8.0f} {tp:8.0f} {r.get('two_phase_prep', nan):7.0f} "
                      f"{fl:8.0f} {r['torch_ref']:8.0f} "
-                     f"{b / tp:7.2f} {tp / fl:7.2f}")
+                     f"{b / tp:7.2f} {tp / fl:7.2f}  "
+                     + " ".join(f"{r.get('2p_' + i, nan):9.0f} {r.get('ph1_' + i, nan):10.0f}"
+                                for i in PREFILL2_INVERSES))
     print("\n".join(lines), flush=True)
 
 

@@ -7,11 +7,16 @@ inside that sequential walk. Here the work is split in two launches:
 Phase 1 `_chunk_prep_kernel`, one program per (request, chunk of BT tokens, value head), all chunks in parallel
 (programs past their request's length exit). For the chunk's rows i, j (k, q L2-normalised, q scaled):
     gc = cumsum(g) inside the chunk,  D_ij = exp(gc_i - gc_j) for j <= i, else 0
-    A = strictly_lower(beta_i k_i.k_j D_ij),  T = (I + A)^-1          (forward substitution, row by row)
+    A = strictly_lower(beta_i k_i.k_j D_ij),  T = (I + A)^-1
     w = T (beta k exp(gc))  [BT, DK],  u = T (beta v)  [BT, DV],  P = lower_incl_diag(q k^T * D)  [BT, BT]
 k k^T, q k^T and the row norms come from KC-wide column pieces of the raw q, k. Stored by flat token row: w [N, HV,
 DK], u [N, HV, DV], P [N, HV, BT] (row i's row of P) in `scratch_dtype`; gc, fq = |q|^-1 scale exp(gc) and
 fk = |k|^-1 exp(gc_last - gc) as fp32 [N, HV]. Nothing of the state enters phase 1.
+T by `inverse`: "rows" (the default): forward substitution, BT dependent row steps on the [BT, BT] tile (each a
+masked row extraction and a reduction over the whole tile: latency-bound, ~65% of the two-phase time on the H200);
+"blocks": -A goes to an fp32 scratch [N, HV, BT] (this program's rows), the BT/16 diagonal 16x16 blocks are inverted
+together (14 steps on an [NB, 16, 16] stack, rows of -A loaded back from the scratch), and merged 16 -> 32 -> 64 by
+[BT, BT] tensor-core products in `precision` (see _block_inverse). Same T up to fp32 / tf32x3 rounding.
 
 Phase 2 `_chunk_state_kernel`, one program per (request, value head, BV-wide value tile), sequential over the
 request's chunks; the state tile S [DK, BV] fp32 comes from state[slots[b]] and stays in registers (as one or two
@@ -47,7 +52,8 @@ from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _rowmajor, _wri
 
 # Defaults from sm_90 compiles of this file (triton 3.7 offline, ptxas -v; DK=DV=128, bf16 in), not yet timed on
 # the H200 (bench/kernels_gdn.py prefill sweeps them):
-#   phase 1: BT=64, KC=32, 4 warps: 242 registers, no spill, 32 KB shared (KC=64: 584 B spill a thread, 48 KB).
+#   phase 1: BT=64, KC=32, 4 warps: 242 registers, no spill, 32 KB shared (KC=64: 584 B spill a thread, 48 KB);
+#            inverse="blocks": 255 registers, no spill, 96 KB shared (8 warps: 24 B spill); BT=32: 168, 24 KB.
 #   phase 2: KS=64 pieces, 4 warps: BV=32 152 B spill, 40 KB shared; BV=64 432 B, 64 KB; BV=128 3.5 KB spill;
 #            8 warps spill more (M=64 dots: each warp group holds the whole [64, KS] A operand); with
 #            precision="tf32" BV=64 spills 8 B (the tf32x3 A operand is two register copies).
@@ -63,15 +69,60 @@ PREP_BVU = 64  # phase 1: value columns of u per dot
 
 
 @triton.jit
+def _block_inverse(a_base, n, s_row, BT: tl.constexpr, PS: tl.constexpr):
+    """T = (I + A)^-1 [BT, BT] fp32 (BT = 16, 32 or 64) from -A (strictly lower; rows >= n are not read) stored at
+    a_base + row * s_row + col, by 16x16 blocks:
+    1. the NB = BT / 16 diagonal blocks are inverted together by forward substitution: 14 dependent steps on an
+       [NB, 16, 16] stack, each step's rows of -A loaded from the scratch (no register row extraction);
+    2. their inverses go back into the scratch over the diagonal blocks of -A and the whole [BT, BT] comes back as
+       one tile: D = blockdiag(T_00, .., T_33), the off-diagonal blocks -A_IJ;
+    3. merges 16 -> 32 -> 64 as full [BT, BT] tensor-core products (`precision` dots): with D block diagonal and
+       N the strictly block-lower part of -A that couples the pairs being merged (blocks (1,0), (3,2), then the
+       lower-left 32x32 quadrant), N D N = 0, so (D^-1 - N)^-1 = D + D (N D) exactly."""
+    blk = tl.arange(0, BT // 16)[:, None, None]  # [NB, 1, 1]
+    r3 = tl.arange(0, 16)[None, :, None]  # [1, 16, 1] row inside the block
+    c3 = tl.arange(0, 16)[None, None, :]  # [1, 1, 16] column inside the block
+    row3 = blk * 16 + r3  # [NB, 16, 1] row of the chunk
+    d_ptrs = a_base + row3 * s_row + blk * 16 + c3  # [NB, 16, 16] the diagonal blocks
+    y3 = tl.load(d_ptrs, mask=row3 < n, other=0.0)  # [NB, 16, 16] -A's diagonal blocks
+    blk2 = tl.arange(0, BT // 16)[:, None]  # [NB, 1]
+    c2 = tl.arange(0, 16)[None, :]  # [1, 16]
+    # Y = T - I, strictly lower: row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i final (rows 0, 1: -A's)
+    for i in tl.static_range(2, 16):
+        row2 = blk2 * 16 + i  # [NB, 1] row i of every block
+        a = tl.load(a_base + row2 * s_row + blk2 * 16 + c2, mask=row2 < n, other=0.0)  # [NB, 16] rows i of -A
+        a = a + tl.sum(a[:, :, None] * y3, axis=1)  # [NB, 16]
+        y3 = tl.where(r3 == i, a[:, None, :], y3)
+    tl.debug_barrier()  # every thread's loads of -A's diagonal blocks before they are overwritten
+    tl.store(d_ptrs, y3 + (r3 == c3).to(tl.float32), mask=row3 < n)
+    tl.debug_barrier()
+    ti = tl.arange(0, BT)[:, None]  # [BT, 1]
+    tj = tl.arange(0, BT)[None, :]  # [1, BT]
+    m = tl.load(a_base + ti * s_row + tj, mask=ti < n, other=0.0)  # [BT, BT] D on the diagonal blocks, -A below
+    bi = ti // 16
+    bj = tj // 16
+    inv = tl.where(bi == bj, m, 0.0)  # D
+    if BT >= 32:  # 16 -> 32: blocks (1, 0), (3, 2)
+        nl = tl.where((bi == bj + 1) & (bi % 2 == 1), m, 0.0)
+        inv = inv + tl.dot(inv, tl.dot(nl, inv, input_precision=PS), input_precision=PS)
+    if BT == 64:  # 32 -> 64: the lower-left quadrant
+        nl = tl.where((bi >= 2) & (bj < 2), m, 0.0)
+        inv = inv + tl.dot(inv, tl.dot(nl, inv, input_precision=PS), input_precision=PS)
+    return inv
+
+
+@triton.jit
 def _chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr,
     w_ptr, u_ptr, p_ptr,  # scratch (scratch dtype): w [N, HV, DK], u [N, HV, DV], P [N, HV, BT]
     gc_ptr, fq_ptr, fk_ptr,  # scratch fp32 [N, HV]: gc, q's row factor, k's row factor
+    a_ptr,  # scratch fp32 [N, HV, BT]: -A (INV == 1 only; otherwise unused)
     scale,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BVU: tl.constexpr,
     L2NORM: tl.constexpr, PS: tl.constexpr, PO: tl.constexpr,
+    INV: tl.constexpr,  # (I + A)^-1 by 0: forward substitution row by row; 1: 16x16 diagonal blocks + merges
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -125,13 +176,21 @@ def _chunk_prep_kernel(
         tl.store(fq_ptr + row_ht, rq * tl.exp(gc), mask=tm)  # o's inter-chunk term uses q_raw * fq
         tl.store(fk_ptr + row_ht, rk * tl.exp(g_last - gc), mask=tm)  # the state update uses k_raw * fk
 
-        # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j with rows j < i already final
         y = tl.where(tj < ti, -(beta[:, None] * kk * rk[:, None] * rk[None, :] * decay), 0.0)  # [BT, BT] = -A
-        for i in range(2, n):
-            a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT] row i of -A
-            a = a + tl.sum(a[:, None] * y, axis=0)
-            y = tl.where(ti == i, a[None, :], y)
-        inv = y + (ti == tj).to(tl.float32)  # [BT, BT] T = (I + A)^-1
+        if INV == 0:
+            # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
+            for i in range(2, n):
+                a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT] row i of -A
+                a = a + tl.sum(a[:, None] * y, axis=0)
+                y = tl.where(ti == i, a[None, :], y)
+            inv = y + (ti == tj).to(tl.float32)  # [BT, BT] T = (I + A)^-1
+        else:
+            # -A goes through the scratch (this program's rows only) so that its rows and 16x16 blocks can be
+            # read back as separate tiles; then the block inverse (see _block_inverse)
+            a_rows = a_ptr + row_ht[:, None] * BT  # [BT, 1]
+            tl.store(a_rows + tj, y, mask=tm[:, None])
+            tl.debug_barrier()  # the stores of every thread before any load of them
+            inv = _block_inverse(a_ptr + ((bos + t0) * HV + hv) * BT, n, HV * BT, BT, PS)  # [BT, BT]
 
         fw = rk * beta * tl.exp(gc)  # [BT] w = T (k_raw * fw)
         for c0 in range(0, BK, KC):
@@ -254,6 +313,7 @@ def gdn_chunk2_triton(
     scratch_dtype: torch.dtype | str = torch.float32,  # w, u, P (a name: "bfloat16")
     precision: str | None = None,
     precision_out: str | None = None,
+    inverse: str = "rows",  # phase 1's (I + A)^-1: "rows" (forward substitution) or "blocks" (16x16 blocks)
     only_prep: bool = False,  # measurement: run phase 1 alone (o is left unwritten, the state untouched)
 ) -> Tensor:
     """gdn_chunk_ref in two launches (parallel UT transform per chunk, then the sequential state pass): o [N, HV,
@@ -274,6 +334,7 @@ def gdn_chunk2_triton(
     bvu = min(bvu, max(16, triton.next_power_of_2(dim_v)))
     ks, kc = min(ks, bk), min(kc, bk)
     nk = triton.cdiv(bk, ks)
+    assert inverse in ("rows", "blocks") and (inverse == "rows" or bt <= 64), (inverse, bt)
     assert nk <= 2, f"the key dimension {dim_k} is at most two pieces of ks={ks}"
     prec, prec_out = precision or DOT_PRECISION, precision_out or DOT_PRECISION_OUT
     scratch_dtype = getattr(torch, scratch_dtype) if isinstance(scratch_dtype, str) else scratch_dtype
@@ -282,12 +343,14 @@ def gdn_chunk2_triton(
     u_s = torch.empty(n_tok, heads_v, dim_v, dtype=scratch_dtype, device=dev)  # [N, HV, DV]
     p_s = torch.empty(n_tok, heads_v, bt, dtype=scratch_dtype, device=dev)  # [N, HV, BT]
     gc_s, fq_s, fk_s = torch.empty(3, n_tok, heads_v, dtype=torch.float32, device=dev)  # [N, HV] each
+    blocks = inverse == "blocks"
+    a_s = torch.empty(n_tok, heads_v, bt, dtype=torch.float32, device=dev) if blocks else gc_s  # -A [N, HV, BT]
     _chunk_prep_kernel[(bsz, triton.cdiv(max_len, bt), heads_v)](
-        q, k, v, g, beta, cu_seqlens, w_s, u_s, p_s, gc_s, fq_s, fk_s, scale,
+        q, k, v, g, beta, cu_seqlens, w_s, u_s, p_s, gc_s, fq_s, fk_s, a_s, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1),
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, KC=kc, BVU=bvu, L2NORM=use_qk_l2norm, PS=prec,
-        PO=prec_out, num_warps=prep_warps, num_stages=prep_stages,
+        PO=prec_out, INV=int(blocks), num_warps=prep_warps, num_stages=prep_stages,
     )
     if only_prep:
         return o

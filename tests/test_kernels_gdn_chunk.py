@@ -9,6 +9,7 @@ prints every case's errors as JSON); each case is one pytest test reading that r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -100,7 +101,7 @@ def case_bt64():
 
 def case_options():
     """scale given without l2norm; DK = DV = 24 (masked key / value columns, the second key piece half masked)
-    with HK = HV = 2; a request of no tokens between two others (its slot is neither read nor written);
+    with HK = HV = 2; GQA with HK = 2, HV = 4; a request of no tokens between two others (its slot is neither read nor written);
     ill-conditioned (correlated) keys."""
     from kernels.gdn_chunk_triton import gdn_chunk2_triton
 
@@ -109,7 +110,28 @@ def case_options():
     _compare(errs, "d24_mha", gdn_chunk2_triton, seed=4, shape=dict(hk=2, hv=2, dk=24, dv=24), bt=16, bv=16,
              ks=16, kc=16)
     _compare(errs, "idle", gdn_chunk2_triton, lens=[40, 0, 17], seed=5, bt=16)
+    # two key heads of two value heads each: value head h reads key head h // 2 (h % 2 would pass with HK = 1)
+    _compare(errs, "gqa_hk2_hv4", gdn_chunk2_triton, seed=12, shape=dict(hk=2, hv=4), bt=16, refs=("chunk", "recurrent"))
     _compare(errs, "correlated", gdn_chunk2_triton, seed=6, bt=16, correlated=True, refs=("chunk", "recurrent"))
+    return errs
+
+
+def case_blocks():
+    """Phase 1's block inverse (inverse="blocks": the 16x16 diagonal blocks by forward substitution, merged 16 -> 32
+    -> 64 by products). Chunks of 64, DK = DV = 32: 130 = 2 full chunks + 2 rows (one row block partial, three
+    empty), 37 = one chunk of 2 full row blocks, one of 5 rows and an empty one, 1 = one row; two write modes and the
+    recurrent form too. Chunks of 64 with ill-conditioned (correlated) keys; chunks of 32 (one merge); chunks of 16
+    (the diagonal block alone) with a request of no tokens."""
+    from kernels.gdn_chunk_triton import gdn_chunk2_triton
+
+    errs = {}
+    for wname, ws in (("write", True), ("mask", _write_modes()["mask"])):
+        _compare(errs, f"bt64_{wname}", gdn_chunk2_triton, seed=9, ws=ws, refs=("chunk", "recurrent"),
+                 shape=dict(dk=32, dv=32), bv=16, bvu=16, ks=16, kc=16, inverse="blocks")
+    _compare(errs, "bt64_correlated", gdn_chunk2_triton, seed=10, correlated=True, refs=("chunk", "recurrent"),
+             inverse="blocks")
+    _compare(errs, "bt32", gdn_chunk2_triton, seed=11, bt=32, bv=16, inverse="blocks")
+    _compare(errs, "bt16_idle", gdn_chunk2_triton, lens=[40, 0, 17], seed=12, bt=16, inverse="blocks")
     return errs
 
 
@@ -123,6 +145,7 @@ def case_wiring():
     calls = []
     real = gct.gdn_chunk2_triton
 
+    @functools.wraps(real)  # (gdn_chunk_triton checks its options against the kernel's signature)
     def spy(*a, **kw):
         calls.append(kw)
         return real(*a, **kw)
@@ -154,7 +177,8 @@ def case_wiring():
     return errs
 
 
-CASES = {"bt16": case_bt16, "bt64": case_bt64, "options": case_options, "wiring": case_wiring}
+CASES = {"bt16": case_bt16, "bt64": case_bt64, "options": case_options, "blocks": case_blocks,
+         "wiring": case_wiring}
 
 
 # -------------------------------------------------------------------------------------- the pytest side
