@@ -12,9 +12,10 @@ Phase 1 `_chunk_prep_kernel`, one program per (request, chunk of BT tokens, valu
 k k^T, q k^T and the row norms come from KC-wide column pieces of the raw q, k. Stored by flat token row: w [N, HV,
 DK], u [N, HV, DV], P [N, HV, BT] (row i's row of P) in `scratch_dtype`; gc, fq = |q|^-1 scale exp(gc) and
 fk = |k|^-1 exp(gc_last - gc) as fp32 [N, HV]. Nothing of the state enters phase 1.
-T by `inverse`: "rows" (the default): forward substitution, BT dependent row steps on the [BT, BT] tile (each a
-masked row extraction and a reduction over the whole tile: latency-bound, ~65% of the two-phase time on the H200);
-"blocks": -A goes to an fp32 scratch [N, HV, BT] (this program's rows), the BT/16 diagonal 16x16 blocks are inverted
+T by `inverse`: "rows": forward substitution, BT dependent row steps on the [BT, BT] tile (each a masked row
+extraction and a reduction over the whole tile: latency-bound, ~65% of the two-phase time on the H200);
+"blocks" (PREP_INVERSE, the default up to BT = 64; phase 1 2.1x faster on the H200: 389 against 819 us at 4096
+tokens, bench/NOTES.md 2026-12-01): -A goes to an fp32 scratch [N, HV, BT] (this program's rows), the BT/16 diagonal 16x16 blocks are inverted
 together (14 steps on an [NB, 16, 16] stack, rows of -A loaded back from the scratch), and merged 16 -> 32 -> 64 by
 [BT, BT] tensor-core products in `precision` (see _block_inverse). Same T up to fp32 / tf32x3 rounding.
 
@@ -50,8 +51,8 @@ from torch import Tensor
 
 from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _rowmajor, _write_mode
 
-# Defaults from sm_90 compiles of this file (triton 3.7 offline, ptxas -v; DK=DV=128, bf16 in), not yet timed on
-# the H200 (bench/kernels_gdn.py prefill sweeps them):
+# Defaults from sm_90 compiles of this file (triton 3.7 offline, ptxas -v; DK=DV=128, bf16 in), then timed on the
+# H200 (bench/kernels_gdn.py prefill, bench/NOTES.md 2026-12-01: BT=64 / BV=32 / 4 warps / blocks was the fastest):
 #   phase 1: BT=64, KC=32, 4 warps: 242 registers, no spill, 32 KB shared (KC=64: 584 B spill a thread, 48 KB);
 #            inverse="blocks": 255 registers, no spill, 96 KB shared (8 warps: 24 B spill); BT=32: 168, 24 KB.
 #   phase 2: KS=64 pieces, 4 warps: BV=32 152 B spill, 40 KB shared; BV=64 432 B, 64 KB; BV=128 3.5 KB spill;
@@ -66,6 +67,7 @@ CHUNK2_STAGES = 2  # phase 2 (H200, T=4096: 1260 us against 1457 with 1 stage; 2
 PREP_WARPS = 4  # phase 1
 PREP_KC = 32  # phase 1: key columns per piece of k k^T, q k^T and w
 PREP_BVU = 64  # phase 1: value columns of u per dot
+PREP_INVERSE = "blocks"  # phase 1's (I + A)^-1 where BT <= 64 ("rows" beyond)
 
 
 @triton.jit
@@ -313,7 +315,8 @@ def gdn_chunk2_triton(
     scratch_dtype: torch.dtype | str = torch.float32,  # w, u, P (a name: "bfloat16")
     precision: str | None = None,
     precision_out: str | None = None,
-    inverse: str = "rows",  # phase 1's (I + A)^-1: "rows" (forward substitution) or "blocks" (16x16 blocks)
+    inverse: str | None = None,  # phase 1's (I + A)^-1: "rows" (forward substitution), "blocks" (16x16 blocks)
+    # or None: PREP_INVERSE up to BT = 64, "rows" beyond
     only_prep: bool = False,  # measurement: run phase 1 alone (o is left unwritten, the state untouched)
 ) -> Tensor:
     """gdn_chunk_ref in two launches (parallel UT transform per chunk, then the sequential state pass): o [N, HV,
@@ -334,6 +337,8 @@ def gdn_chunk2_triton(
     bvu = min(bvu, max(16, triton.next_power_of_2(dim_v)))
     ks, kc = min(ks, bk), min(kc, bk)
     nk = triton.cdiv(bk, ks)
+    if inverse is None:
+        inverse = PREP_INVERSE if bt <= 64 else "rows"
     assert inverse in ("rows", "blocks") and (inverse == "rows" or bt <= 64), (inverse, bt)
     assert nk <= 2, f"the key dimension {dim_k} is at most two pieces of ks={ks}"
     prec, prec_out = precision or DOT_PRECISION, precision_out or DOT_PRECISION_OUT

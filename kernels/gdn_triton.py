@@ -58,7 +58,8 @@ CHUNK_WARPS = 4
 # "two_phase" (kernels/gdn_chunk_triton.py: parallel UT transform per chunk, then the state pass). The environment
 # variable HYBRIDSPEC_GDN_PREFILL (read at each call) overrides it. Measured on the H200 (bench/kernels_gdn.py prefill,
 # 2026-12-01, B=1, eager, us per layer): T = 1024 / 2048 / 4096 / 8192: block 852 / 1706 / 3415 / 6844, two_phase
-# 325 / 637 / 1260 / 2508 (fla-core's chunk_gated_delta_rule: 1280 / 1252 / 1282 / 710 in the same run).
+# 325 / 637 / 1260 / 2508 (fla-core's chunk_gated_delta_rule: 1280 / 1252 / 1282 / 710 in the same run); with phase
+# 1's inverse by blocks (c9b58c0 run): 225 / 429 / 835 / 1640, fla 722 / 690 / 726 / 671, block 842-6751.
 PREFILL_IMPL = "two_phase"
 # fp32 dots: "ieee" (exact fp32, FMA units), "tf32x3" (three tf32 tensor-core passes, ~fp32) or "tf32".
 DOT_PRECISION = os.environ.get("HYBRIDSPEC_GDN_DOT", "tf32x3")  # dots that feed a state that is written

@@ -89,13 +89,14 @@ def case_bt16():
 
 def case_bt64():
     """The default chunk of 64 (130 = 2 full chunks + 2), DK = DV = 32, two value tiles; the key dimension in two
-    pieces (phase 1's k k^T / q k^T / w, phase 2's state tile) and u in two column tiles."""
+    pieces (phase 1's k k^T / q k^T / w, phase 2's state tile) and u in two column tiles; phase 1's inverse by rows
+    (the default, blocks, is case_blocks')."""
     from kernels.gdn_chunk_triton import gdn_chunk2_triton
 
     errs = {}
     for wname, ws in (("write", True), ("mask", _write_modes()["mask"])):
         _compare(errs, wname, gdn_chunk2_triton, seed=2, ws=ws, refs=("chunk", "recurrent"),
-                 shape=dict(dk=32, dv=32), bv=16, bvu=16, ks=16, kc=16)
+                 shape=dict(dk=32, dv=32), bv=16, bvu=16, ks=16, kc=16, inverse="rows")
     return errs
 
 
