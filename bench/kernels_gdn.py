@@ -282,6 +282,9 @@ def run_mode(mode, cfg, ctx):
                                            write_state=False, **_commit_cfg(cfg))
     if mode == "chunk":  # cfg["impl"]: "block" (the default) or "two_phase" (kernels/gdn_chunk_triton.py)
         return run_chunk(cfg, q, k, v, g, beta, cu, pool, sl, t)
+    if mode in ("chunk_nowrite", "chunk_mask"):
+        return run_chunk(cfg, q, k, v, g, beta, cu, pool, sl, t, write_state=False if mode == "chunk_nowrite"
+                         else ctx["mask"])
     if mode == "fla_recurrent":
         fq, fk, fv, fg, fb, init, cul = ctx["fla"]
         return fla_recurrent(fq, fk, fv, g=fg, beta=fb, initial_state=init, output_final_state=True,
@@ -319,7 +322,8 @@ PREFILL_CFGS = [dict(bt=16, bv=64, num_warps=4), dict(bt=32, bv=64, num_warps=4)
 # two-phase (kernels/gdn_chunk_triton.py): phase 2's value tile x warps at BT=64, then single variations of its
 # default point (bv=32, 4 warps): 2 pipeline stages, 8 warps in phase 1, tf32 state dots (less accurate: timed, not
 # picked), bf16 scratch (idem), chunks of 32; phase 1's block inverse (inverse="blocks") at BT=64 and 32
-PREFILL2_CFGS = [dict(impl="two_phase", bt=64, bv=bv, num_warps=w) for bv in (32, 64, 128) for w in (4, 8)] + [
+# (bv=128 left out since 2026-12-01: 2478 us at 4096 and 3.5 KB spill; its compile was the slowest)
+PREFILL2_CFGS = [dict(impl="two_phase", bt=64, bv=bv, num_warps=w) for bv in (32, 64) for w in (4, 8)] + [
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, num_stages=2),
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, prep_warps=8),
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, precision="tf32"),
@@ -328,8 +332,26 @@ PREFILL2_CFGS = [dict(impl="two_phase", bt=64, bv=bv, num_warps=w) for bv in (32
     dict(impl="two_phase", bt=64, bv=32, num_warps=4, inverse="blocks"),
     dict(impl="two_phase", bt=64, bv=64, num_warps=4, inverse="blocks"),
     dict(impl="two_phase", bt=32, bv=32, num_warps=4, inverse="blocks"),
+    # phase 2 in value tiles of 16: 256 programs for one request (2 per SM; sm_90 compile: 4 warps 255 registers,
+    # 60 B spill, 97 KB shared; 2 warps 700 B spill)
+    dict(impl="two_phase", bt=64, bv=16, num_warps=4),
+    dict(impl="two_phase", bt=64, bv=16, num_warps=2),
+    # state_pass="split": the sequential state walk (no o; chunk-start states + v_new stored), then a parallel output
+    # pass per (chunk, head, bvo value columns). Walk sm_90 compile: bv=16 4 warps 255 registers no spill 60 KB
+    # shared (1 stage: 243, 16 KB); bv=32 2 stages 172 B spill, 1 stage no spill. h_dtype=bfloat16: o only (not
+    # picked)
+    dict(impl="two_phase", bt=64, bv=16, num_warps=4, state_pass="split"),
+    dict(impl="two_phase", bt=64, bv=16, num_warps=4, num_stages=1, state_pass="split"),
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, state_pass="split"),
+    dict(impl="two_phase", bt=64, bv=32, num_warps=4, num_stages=1, state_pass="split"),
+    dict(impl="two_phase", bt=64, bv=16, num_warps=4, state_pass="split", bvo=128, out_warps=8),
+    dict(impl="two_phase", bt=64, bv=16, num_warps=4, state_pass="split", h_dtype="bfloat16"),
 ]
 PREFILL2_INVERSES = ("rows", "blocks")  # every length: the best two-phase config with each phase-1 inverse
+PREFILL2_PASSES = ("fused", "split")  # every length: the best two-phase config with each phase-2 form
+PREFILL_MULTI = (4, 1024)  # B x T: the best fused and split configs and the default at B > 1
+# checked with write_state False and a mask too (precompiled: WRITE is a constexpr)
+PREFILL2_WRITE_CHECKS = {"default": dict(impl="two_phase"), "split": dict(impl="two_phase", bv=16, state_pass="split")}
 PREFILL_CHECK_LENS = [1000, 37, 2048, 64]
 PREFILL_STATE_TOL = 1e-5  # a config whose state error is above this is timed but never picked as the best
 PREFILL_LENS = (4096, 1024, 2048, 8192)
@@ -355,7 +377,9 @@ def warm_jobs():
 
 
 def prefill_jobs():
-    return [("chunk", c, 100) for c in PREFILL_CFGS + PREFILL2_CFGS] + ([("fla_chunk", {}, 1024)] if HAVE_FLA else [])
+    wm = [(m, c, 100) for m in ("chunk_nowrite", "chunk_mask") for c in PREFILL2_WRITE_CHECKS.values()]
+    return [("chunk", c, 100) for c in PREFILL_CFGS + PREFILL2_CFGS] + wm + (
+        [("fla_chunk", {}, 1024)] if HAVE_FLA else [])
 
 
 def _warm_one(job):
@@ -497,7 +521,7 @@ def prefill_checks():
             o_tri = run_chunk(cfg, q, k, v, g, beta, cu, s_tri, sl, max(plens))
             torch.cuda.synchronize()
             out[f"chunk {name}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
-            if not out[f"chunk {name}"]["state"] <= PREFILL_STATE_TOL:
+            if not out[f"chunk {name}"]["state"] <= PREFILL_STATE_TOL or cfg.get("h_dtype") == "bfloat16":
                 RESULTS.setdefault("prefill_inexact", []).append(name)
         except Exception:  # noqa: BLE001 - a config that does not compile is reported, the others still run
             tb = traceback.format_exc()
@@ -506,10 +530,12 @@ def prefill_checks():
             log(f"FAILED chunk {name}:\n{tb}")
     default = dict(impl="two_phase")
     for wname, ws in (("nowrite", False), ("mask", torch.tensor([1, 0, 1, 0], dtype=torch.bool, device=DEV))):
-        s_ref, s_tri = pool.clone(), pool.clone()
+        s_ref = pool.clone()
         o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens), write_state=ws)
-        o_tri = run_chunk(default, q, k, v, g, beta, cu, s_tri, sl, max(plens), write_state=ws)
-        out[f"chunk 2p default {wname}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
+        for cname, cfg in PREFILL2_WRITE_CHECKS.items():
+            s_tri = pool.clone()
+            o_tri = run_chunk(cfg, q, k, v, g, beta, cu, s_tri, sl, max(plens), write_state=ws)
+            out[f"chunk 2p {cname} {wname}"] = {"o": rel(o_tri, o_ref), "state": srel(s_tri, s_ref, sl)}
     q, k, v, g, beta, cu = make_block(plens, 14, correlated=True)
     s_ref = pool.clone()
     o_ref = gdn_chunk_ref(q, k, v, g, beta, cu, s_ref, sl, max(plens))
@@ -568,6 +594,10 @@ def prefill():
                 best = min(exact, key=exact.get)
                 if n == PREFILL_LENS[0]:
                     RESULTS[f"prefill_cfg_{kind}"] = next(c for c in cfgs if cfg_name(c) == best)
+                    for sp in PREFILL2_PASSES if kind == "two_phase" else ():  # the best of each phase-2 form
+                        of_sp = [c for c in cfgs if cfg_name(c) in exact and c.get("state_pass", "fused") == sp]
+                        if of_sp:
+                            RESULTS[f"prefill_cfg_2p_{sp}"] = min(of_sp, key=lambda c: exact[cfg_name(c)])
                     log(f"{kind} sweep at T={n} (us; * = state error over {PREFILL_STATE_TOL}, not picked): "
                         + "; ".join(f"{kk}{'' if kk in exact else '*'}: {vv:.0f}"
                                     for kk, vv in sorted(times.items(), key=lambda x: x[1])))
@@ -590,6 +620,17 @@ def prefill():
                     failed.add(cfg_name(cfg))
                     RESULTS["errors"].append({"section": f"prefill inverse={inv}",
                                               "traceback": traceback.format_exc()})
+        for sp in PREFILL2_PASSES:  # the best config of each phase-2 form; the split one without its output pass
+            cfg = RESULTS.get(f"prefill_cfg_2p_{sp}")
+            if cfg is None or cfg_name(cfg) in failed:
+                continue
+            try:
+                row[f"2p_{sp}"] = eager_us(lambda: run_mode("chunk", cfg, ctx))
+                if sp == "split":
+                    row["walk_split"] = eager_us(lambda: run_mode("chunk", dict(cfg, only_walk=True), ctx))
+            except Exception:  # noqa: BLE001
+                failed.add(cfg_name(cfg))
+                RESULTS["errors"].append({"section": f"prefill state_pass={sp}", "traceback": traceback.format_exc()})
         row["ours"] = row.get("block", float("nan"))  # (the key earlier runs wrote)
         q, k, v, g, beta, cu = ctx["blk"]
         row["torch_ref"] = eager_us(lambda: gdn_chunk_ref(q, k, v, g, beta, cu, pool, ctx["sl"], n))
@@ -605,15 +646,40 @@ def prefill():
     lines = [f"prefill on {torch.cuda.get_device_name()}, B=1, eager, us per layer (HV={HV} DK=DV={DK}); "
              f"block {RESULTS.get('prefill_cfg_block')}, two-phase {RESULTS.get('prefill_cfg_two_phase')}",
              f"{'T':>5} {'floor':>6} {'block':>8} {'2phase':>8} {'(ph1)':>7} {'fla':>8} {'ref':>8} {'blk/2p':>7} "
-             f"{'2p/fla':>7}  " + " ".join(f"{'2p_' + i:>9} {'ph1_' + i:>10}" for i in PREFILL2_INVERSES)]
+             f"{'2p/fla':>7}  " + " ".join(f"{'2p_' + i:>9} {'ph1_' + i:>10}" for i in PREFILL2_INVERSES)
+             + f" {'2p_fused':>9} {'2p_split':>9} {'(walk)':>7}"]
     for r in RESULTS["prefill"]:
         b, tp, fl = r.get("block", nan), r.get("two_phase", nan), r.get("fla_chunk", nan)
         lines.append(f"{r['T']:>5} {r['floor_us']:6.1f} {b:8.0f} {tp:8.0f} {r.get('two_phase_prep', nan):7.0f} "
                      f"{fl:8.0f} {r['torch_ref']:8.0f} "
                      f"{b / tp:7.2f} {tp / fl:7.2f}  "
                      + " ".join(f"{r.get('2p_' + i, nan):9.0f} {r.get('ph1_' + i, nan):10.0f}"
-                                for i in PREFILL2_INVERSES))
+                                for i in PREFILL2_INVERSES)
+                     + f" {r.get('2p_fused', nan):9.0f} {r.get('2p_split', nan):9.0f} {r.get('walk_split', nan):7.0f}")
+    lines.append(f"  best fused {RESULTS.get('prefill_cfg_2p_fused')}, best split {RESULTS.get('prefill_cfg_2p_split')}"
+                 "; (walk) = phase 1 + the split's state walk, without its output pass")
     print("\n".join(lines), flush=True)
+    prefill_multi()
+
+
+def prefill_multi():
+    """B > 1 (PREFILL_MULTI: B requests of T tokens): the two-phase default, the best fused and split configs."""
+    bsz, n = PREFILL_MULTI
+    failed = set(RESULTS.get("prefill_failed", []))
+    pool = make_pool(bsz + 1, 22)
+    ctx = prepare(make_block([n] * bsz, 23), pool, torch.arange(1, bsz + 1, device=DEV), n)
+    row = {"B": bsz, "T": n}
+    cfgs = {"default": dict(impl="two_phase")}
+    cfgs.update({sp: RESULTS[f"prefill_cfg_2p_{sp}"] for sp in PREFILL2_PASSES if RESULTS.get(f"prefill_cfg_2p_{sp}")})
+    for label, cfg in cfgs.items():
+        if cfg_name(cfg) in failed:
+            continue
+        try:
+            row[f"2p_{label}"] = eager_us(lambda: run_mode("chunk", cfg, ctx))
+        except Exception:  # noqa: BLE001
+            RESULTS["errors"].append({"section": f"prefill_multi {label}", "traceback": traceback.format_exc()})
+    RESULTS["prefill_multi"] = row
+    log(f"prefill B={bsz} x T={n} (us, eager): " + fmt(row))
 
 
 @section

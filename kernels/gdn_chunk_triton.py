@@ -15,9 +15,10 @@ fk = |k|^-1 exp(gc_last - gc) as fp32 [N, HV]. Nothing of the state enters phase
 T by `inverse`: "rows": forward substitution, BT dependent row steps on the [BT, BT] tile (each a masked row
 extraction and a reduction over the whole tile: latency-bound, ~65% of the two-phase time on the H200);
 "blocks" (PREP_INVERSE, the default up to BT = 64; phase 1 2.1x faster on the H200: 389 against 819 us at 4096
-tokens, bench/NOTES.md 2026-12-01): -A goes to an fp32 scratch [N, HV, BT] (this program's rows), the BT/16 diagonal 16x16 blocks are inverted
-together (14 steps on an [NB, 16, 16] stack, rows of -A loaded back from the scratch), and merged 16 -> 32 -> 64 by
-[BT, BT] tensor-core products in `precision` (see _block_inverse). Same T up to fp32 / tf32x3 rounding.
+tokens, bench/NOTES.md 2026-12-01): -A goes to an fp32 scratch [N, HV, BT] (this program's rows), the BT/16
+diagonal 16x16 blocks are inverted together (14 steps on an [NB, 16, 16] stack, rows of -A loaded back from the
+scratch), and merged 16 -> 32 -> 64 by [BT, BT] tensor-core products in `precision` (see _block_inverse). Same T up
+to fp32 / tf32x3 rounding.
 
 Phase 2 `_chunk_state_kernel`, one program per (request, value head, BV-wide value tile), sequential over the
 request's chunks; the state tile S [DK, BV] fp32 comes from state[slots[b]] and stays in registers (as one or two
@@ -27,6 +28,23 @@ KS-row pieces, so that the [BT, DK] operands are multiplied piece by piece):
     S <- exp(gc_last) S + (k_raw fk)^T v_new
 then S is stored (write_state True / False / [B] mask). Phase 2 re-reads the raw q, k (input dtype, shared by the
 HV / HK value heads of a key head) times the row factors instead of normalised fp32 copies: half the bytes or less.
+With one request phase 2 has HV * DV / BV programs (128 at BV = 32 for 132 SMs), each walking every chunk: latency-
+bound; BV = 16 doubles the programs (two per SM).
+
+state_pass="split" (opt-in; STATE_PASS = "fused" is the default): phase 2 becomes
+  pass A, the same kernel with SPLIT=1, per (request, value head, value tile), sequential: stores the chunk-start
+    state S_c [DK, BV] to h [N // BT + B, HV, DK, DV] (h_dtype, default the scratch dtype; request b's chunk c is row
+    bos // BT + b + c: unique, and below N // BT + B), then v_new = u - w S, stored over u in place (each element
+    is read and rewritten by the same program), and S <- exp(g_last) S + (k fk)^T v_new. No q, P, o: three of its
+    five dots per chunk remain (w S and k^T v_new, the tf32x3 ones) and its registers fit without spill at BV=16;
+  pass B `_chunk_out_kernel`, all (request, chunk, value head, BVO value columns) in parallel:
+    o = (q fq) S_c + P v_new.
+What pass B reads: S_c cannot be rebuilt without the sequential walk, so the chunk-start states are stored (DK DV 4
+bytes per chunk and head = 1 KB per token and head at BT = 64, fp32, written once, read once); v_new is stored (over
+u, no extra memory) rather than recomputed as u - w S_c in pass B: the same HBM bytes (v_new written + read, 2 x 512
+B, against w + u read again, 2 x 512 B per token and head) without a tf32x3 dot and DV / BVO re-reads of w in pass
+B, and the stores sit off pass A's dependency chain. Extra traffic against "fused": ~3 KB per token and head (~400
+MB at 4096 tokens, HV = 32; ~1/2 of h's share with h_dtype=bfloat16, o only).
 
 Scratch dtype: fp32 by default. w and u feed the state directly (v_new = u - w S, summed into S over every chunk of
 the request); bf16 copies put ~4e-3 relative rounding on every chunk's update of an fp32 state that the block
@@ -59,6 +77,14 @@ from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _rowmajor, _wri
 #            8 warps spill more (M=64 dots: each warp group holds the whole [64, KS] A operand); with
 #            precision="tf32" BV=64 spills 8 B (the tf32x3 A operand is two register copies).
 # BV=32 also gives HV * DV / 32 = 128 programs for one request, about one per SM.
+# Recompiled 2026-12-01 (triton 3.7.1, sm_90, ptxas -v), phase 2 fused (every config at 255 registers):
+#   BV=32 4 warps 2 stages 224 B spill 113 KB shared (1 stage 176 B, 40 KB); BV=32 2 warps 2.6 KB spill;
+#   BV=16 4 warps 2 stages 60 B spill 97 KB (1 stage 348 B, 28 KB; 3 stages 136 B, 149 KB); BV=16 2 warps 700 B
+#   (1 stage 176 B, 20 KB); BV=16 8 warps 140 B. The pressure is the [BT, KS] tf32x3 operands, not BV.
+#   split, pass A (SPLIT=1): BV=16 4 warps 2 stages 255 registers no spill 60 KB (1 stage 243, 16 KB); BV=32 4 warps
+#   2 stages 172 B spill 72 KB, 1 stage 247 registers no spill 24 KB; BV=16 2 warps 516 B spill (1 stage 112 B).
+#   split, pass B (_chunk_out_kernel, 1 stage, no spill): BVO=64 4 warps 128 registers 32 KB; BVO=128 4 warps 176,
+#   8 warps 168, 48 KB; BVO=32 104.
 CHUNK2_BT = 64  # tokens per chunk (phase 1 parallel unit, phase 2 step)
 CHUNK2_BV = 32  # phase 2 value tile
 CHUNK2_KS = 64  # phase 2: the key dimension in pieces of KS (1 or 2 pieces): [BT, KS] operands, not [BT, DK]
@@ -68,6 +94,9 @@ PREP_WARPS = 4  # phase 1
 PREP_KC = 32  # phase 1: key columns per piece of k k^T, q k^T and w
 PREP_BVU = 64  # phase 1: value columns of u per dot
 PREP_INVERSE = "blocks"  # phase 1's (I + A)^-1 where BT <= 64 ("rows" beyond)
+STATE_PASS = "fused"  # phase 2 in one sequential launch; "split": state walk + parallel output pass
+SPLIT_BVO = 64  # split: the output pass's value tile
+SPLIT_OUT_WARPS = 4  # split: the output pass's warps
 
 
 @triton.jit
@@ -219,11 +248,14 @@ def _rows_tile(ptr, row_off, cols, tm, NCOLS: tl.constexpr):
 @triton.jit
 def _chunk_state_kernel(
     q_ptr, k_ptr, o_ptr, cu_ptr, w_ptr, u_ptr, p_ptr, gc_ptr, fq_ptr, fk_ptr, state_ptr, slots_ptr, wmask_ptr,
+    h_ptr,  # SPLIT only: chunk-start states [N // BT + B, HV, DK, DV] (h dtype); otherwise unused
     s_qn, s_qh, s_kn, s_kh, s_on, s_oh, s_ss, s_sh, s_sk,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, KS: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
     WRITE: tl.constexpr,  # 0: never write the final state, 1: always, 2: where wmask[b]
     PS: tl.constexpr, PO: tl.constexpr,
+    SPLIT: tl.constexpr = 0,  # 1: the state walk alone (pass A of state_pass="split"): no o; every chunk's start
+    # state goes to h[bos // BT + b + c] and v_new over u (in place), for _chunk_out_kernel
 ):
     """The state tile is held as NK (1 or 2) pieces S0, S1 [KS, BV] of its DK rows, and every [BT, DK] operand is
     loaded and multiplied piece by piece, so that no [BT, DK] fp32 tile (two of them for a tf32x3 operand) is held
@@ -248,27 +280,40 @@ def _chunk_state_kernel(
         if NK == 2:
             S1 = tl.load(s_base + d1[:, None] * s_sk + dv[None, :], mask=(d1 < DK)[:, None] & vmask[None, :],
                          other=0.0)  # [KS, BV]
+        h_base = h_ptr + ((bos // BT + b) * HV + hv) * (DK * DV)  # this request's first chunk-start state
         for t0 in range(0, seq_len, BT):
             n = tl.minimum(seq_len - t0, BT)
             tm = t < n  # [BT]
             rows = bos + t0 + t.to(tl.int64)  # [BT]
             row_ht = rows * HV + hv  # [BT]
             vm = tm[:, None] & vmask[None, :]  # [BT, BV]
+            if SPLIT:  # the chunk-start state, for the output pass
+                h_c = h_base + (t0 // BT) * (HV * DK * DV)
+                tl.store(h_c + d0[:, None] * DV + dv[None, :], S0.to(h_ptr.dtype.element_ty),
+                         mask=(d0 < DK)[:, None] & vmask[None, :])
+                if NK == 2:
+                    tl.store(h_c + d1[:, None] * DV + dv[None, :], S1.to(h_ptr.dtype.element_ty),
+                             mask=(d1 < DK)[:, None] & vmask[None, :])
             # v_new = u - w S
-            u = tl.load(u_ptr + row_ht[:, None] * DV + dv[None, :], mask=vm, other=0.0).to(tl.float32)  # [BT, BV]
+            u_ptrs = u_ptr + row_ht[:, None] * DV + dv[None, :]  # [BT, BV]
+            u = tl.load(u_ptrs, mask=vm, other=0.0).to(tl.float32)  # [BT, BV]
             ws = tl.dot(_rows_tile(w_ptr, row_ht * DK, d0, tm, DK), S0, input_precision=PS)  # [BT, BV]
             if NK == 2:
                 ws = tl.dot(_rows_tile(w_ptr, row_ht * DK, d1, tm, DK), S1, ws, input_precision=PS)
             v_new = u - ws  # [BT, BV]
-            # o = (q exp(gc)) S + P v_new
-            fq = tl.load(fq_ptr + row_ht, mask=tm, other=0.0)  # [BT]
-            q_off = rows * s_qn + hk * s_qh  # [BT]
-            o = tl.dot(_rows_tile(q_ptr, q_off, d0, tm, DK) * fq[:, None], S0, input_precision=PO)  # [BT, BV]
-            if NK == 2:
-                o = tl.dot(_rows_tile(q_ptr, q_off, d1, tm, DK) * fq[:, None], S1, o, input_precision=PO)
-            p = tl.load(p_ptr + row_ht[:, None] * BT + t[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            o = tl.dot(p, v_new, o, input_precision=PO)  # [BT, BV]
-            tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=vm)
+            if SPLIT:
+                tl.store(u_ptrs, v_new.to(u_ptr.dtype.element_ty), mask=vm)  # over u: read by this program only
+            else:
+                # o = (q exp(gc)) S + P v_new
+                fq = tl.load(fq_ptr + row_ht, mask=tm, other=0.0)  # [BT]
+                q_off = rows * s_qn + hk * s_qh  # [BT]
+                o = tl.dot(_rows_tile(q_ptr, q_off, d0, tm, DK) * fq[:, None], S0, input_precision=PO)  # [BT, BV]
+                if NK == 2:
+                    o = tl.dot(_rows_tile(q_ptr, q_off, d1, tm, DK) * fq[:, None], S1, o, input_precision=PO)
+                p = tl.load(p_ptr + row_ht[:, None] * BT + t[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+                o = tl.dot(p, v_new, o, input_precision=PO)  # [BT, BV]
+                tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                         mask=vm)
             # S <- exp(g_last) S + (k exp(g_last - gc))^T v_new
             g_last = tl.load(gc_ptr + (bos + t0 + n - 1) * HV + hv)  # the chunk's total log decay
             eg = tl.exp(g_last)
@@ -287,6 +332,48 @@ def _chunk_state_kernel(
             tl.store(s_base + d0[:, None] * s_sk + dv[None, :], S0, mask=(d0 < DK)[:, None] & vmask[None, :])
             if NK == 2:
                 tl.store(s_base + d1[:, None] * s_sk + dv[None, :], S1, mask=(d1 < DK)[:, None] & vmask[None, :])
+
+
+@triton.jit
+def _chunk_out_kernel(
+    q_ptr, o_ptr, cu_ptr, u_ptr, p_ptr, fq_ptr, h_ptr,
+    s_qn, s_qh, s_on, s_oh,
+    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, KS: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    PO: tl.constexpr,
+):
+    """Pass B of state_pass="split", one program per (request, chunk, value head x value tile), all in parallel:
+    o = (q_raw fq) h_c + P v_new with h_c the chunk-start state and v_new (in u's scratch) from pass A. The key
+    dimension in NK pieces of KS (as in _chunk_state_kernel: [BT, KS] operands)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    hv = tl.program_id(2) // NV
+    v0 = (tl.program_id(2) % NV) * BV
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    seq_len = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    t0 = c * BT
+    if t0 < seq_len:  # programs past the request's last chunk do nothing
+        n = tl.minimum(seq_len - t0, BT)
+        t = tl.arange(0, BT)  # [BT]
+        tm = t < n
+        rows = bos + t0 + t.to(tl.int64)  # [BT]
+        row_ht = rows * HV + hv  # [BT]
+        dv = v0 + tl.arange(0, BV)  # [BV]
+        vmask = dv < DV
+        vm = tm[:, None] & vmask[None, :]  # [BT, BV]
+        h_c = h_ptr + ((bos // BT + b + c) * HV + hv) * (DK * DV)
+        fq = tl.load(fq_ptr + row_ht, mask=tm, other=0.0)  # [BT]
+        q_off = rows * s_qn + hk * s_qh  # [BT]
+        p = tl.load(p_ptr + row_ht[:, None] * BT + t[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        v_new = tl.load(u_ptr + row_ht[:, None] * DV + dv[None, :], mask=vm, other=0.0).to(tl.float32)  # [BT, BV]
+        o = tl.dot(p, v_new, input_precision=PO)  # [BT, BV]
+        for i in tl.static_range(NK):
+            d = i * KS + tl.arange(0, KS)  # [KS]
+            h = tl.load(h_c + d[:, None] * DV + dv[None, :], mask=(d < DK)[:, None] & vmask[None, :],
+                        other=0.0).to(tl.float32)  # [KS, BV]
+            o = tl.dot(_rows_tile(q_ptr, q_off, d, tm, DK) * fq[:, None], h, o, input_precision=PO)
+        tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=vm)
 
 
 def gdn_chunk2_triton(
@@ -318,6 +405,11 @@ def gdn_chunk2_triton(
     inverse: str | None = None,  # phase 1's (I + A)^-1: "rows" (forward substitution), "blocks" (16x16 blocks)
     # or None: PREP_INVERSE up to BT = 64, "rows" beyond
     only_prep: bool = False,  # measurement: run phase 1 alone (o is left unwritten, the state untouched)
+    state_pass: str = STATE_PASS,  # phase 2: "fused" (one sequential launch) or "split" (state walk + output pass)
+    bvo: int = SPLIT_BVO,  # split: the output pass's value tile
+    out_warps: int = SPLIT_OUT_WARPS,  # split: the output pass's warps
+    h_dtype: torch.dtype | str | None = None,  # split: the chunk-start states' dtype (None: scratch_dtype)
+    only_walk: bool = False,  # measurement (split): phase 1 and the state walk, not the output pass
 ) -> Tensor:
     """gdn_chunk_ref in two launches (parallel UT transform per chunk, then the sequential state pass): o [N, HV,
     DV] in v's dtype; the keyword-only arguments are tile sizes / launch options for measurement."""
@@ -341,6 +433,7 @@ def gdn_chunk2_triton(
         inverse = PREP_INVERSE if bt <= 64 else "rows"
     assert inverse in ("rows", "blocks") and (inverse == "rows" or bt <= 64), (inverse, bt)
     assert nk <= 2, f"the key dimension {dim_k} is at most two pieces of ks={ks}"
+    assert state_pass in ("fused", "split"), state_pass
     prec, prec_out = precision or DOT_PRECISION, precision_out or DOT_PRECISION_OUT
     scratch_dtype = getattr(torch, scratch_dtype) if isinstance(scratch_dtype, str) else scratch_dtype
     dev = v.device
@@ -359,11 +452,25 @@ def gdn_chunk2_triton(
     )
     if only_prep:
         return o
+    split = state_pass == "split"
+    h_s = gc_s  # chunk-start states (split): [N // BT + B, HV, DK, DV], request b's chunk c at bos // BT + b + c
+    if split:
+        h_dtype = getattr(torch, h_dtype) if isinstance(h_dtype, str) else (h_dtype or scratch_dtype)
+        h_s = torch.empty(n_tok // bt + bsz, heads_v, dim_k, dim_v, dtype=h_dtype, device=dev)
     _chunk_state_kernel[(bsz, heads_v, triton.cdiv(dim_v, bv))](
-        q, k, o, cu_seqlens, w_s, u_s, p_s, gc_s, fq_s, fk_s, state, slots, wmask,
+        q, k, o, cu_seqlens, w_s, u_s, p_s, gc_s, fq_s, fk_s, state, slots, wmask, h_s,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, KS=ks, NK=nk, BV=bv, WRITE=write, PS=prec, PO=prec_out,
-        num_warps=num_warps, num_stages=num_stages,
+        SPLIT=int(split), num_warps=num_warps, num_stages=num_stages,
     )
+    if split and not only_walk:
+        bvo = min(bvo, max(16, triton.next_power_of_2(dim_v)))
+        nvo = triton.cdiv(dim_v, bvo)
+        _chunk_out_kernel[(bsz, triton.cdiv(max_len, bt), heads_v * nvo)](
+            q, o, cu_seqlens, u_s, p_s, fq_s, h_s,
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, KS=ks, NK=nk, BV=bvo, NV=nvo, PO=prec_out,
+            num_warps=out_warps, num_stages=1,
+        )
     return o

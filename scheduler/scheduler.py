@@ -137,8 +137,9 @@ class Scheduler:
         for c in plan.chunks:
             r = c.request
             table = self.memory.table(r.request_id)
+            whole = r.token_view() if c.draft_cap else []
             work.append(StepRequest(r.request_id, r.ids(c.start, c.start + c.num_tokens), c.start, list(table.pages),
-                                    table.slot, c.completes, r.params, c.draft_cap, r.token_view() if c.draft_cap else []))
+                                    table.slot, c.completes, r.params, c.draft_cap, whole))
         return work
 
     def _draft_cap(self, request: Request, budget: int) -> int:

@@ -102,8 +102,8 @@ def case_bt64():
 
 def case_options():
     """scale given without l2norm; DK = DV = 24 (masked key / value columns, the second key piece half masked)
-    with HK = HV = 2; GQA with HK = 2, HV = 4; a request of no tokens between two others (its slot is neither read nor written);
-    ill-conditioned (correlated) keys."""
+    with HK = HV = 2; GQA with HK = 2, HV = 4; a request of no tokens between two others (its slot is neither read
+    nor written); ill-conditioned (correlated) keys."""
     from kernels.gdn_chunk_triton import gdn_chunk2_triton
 
     errs = {}
@@ -112,7 +112,8 @@ def case_options():
              ks=16, kc=16)
     _compare(errs, "idle", gdn_chunk2_triton, lens=[40, 0, 17], seed=5, bt=16)
     # two key heads of two value heads each: value head h reads key head h // 2 (h % 2 would pass with HK = 1)
-    _compare(errs, "gqa_hk2_hv4", gdn_chunk2_triton, seed=12, shape=dict(hk=2, hv=4), bt=16, refs=("chunk", "recurrent"))
+    _compare(errs, "gqa_hk2_hv4", gdn_chunk2_triton, seed=12, shape=dict(hk=2, hv=4), bt=16,
+             refs=("chunk", "recurrent"))
     _compare(errs, "correlated", gdn_chunk2_triton, seed=6, bt=16, correlated=True, refs=("chunk", "recurrent"))
     return errs
 
@@ -133,6 +134,26 @@ def case_blocks():
              inverse="blocks")
     _compare(errs, "bt32", gdn_chunk2_triton, seed=11, bt=32, bv=16, inverse="blocks")
     _compare(errs, "bt16_idle", gdn_chunk2_triton, lens=[40, 0, 17], seed=12, bt=16, inverse="blocks")
+    return errs
+
+
+def case_split():
+    """Phase 2 as a state walk + a parallel output pass (state_pass="split"): chunks of 16 over the ragged batch
+    (the chunk-start states' index bos // BT + b + c fills its N // BT + B rows exactly here), every write mode, the
+    recurrent form too; chunks of 64 with DK = DV = 32 (two key pieces, two value tiles in both passes); DK = DV = 24
+    (masked key / value columns) with HK = HV = 2; a request of no tokens between two others (write mask)."""
+    from kernels.gdn_chunk_triton import gdn_chunk2_triton
+
+    errs = {}
+    for wname, ws in _write_modes().items():
+        _compare(errs, wname, gdn_chunk2_triton, seed=13, ws=ws, refs=("chunk", "recurrent")[:2 if ws is True else 1],
+                 bt=16, bv=16, bvo=16, state_pass="split")
+    _compare(errs, "bt64_d32", gdn_chunk2_triton, seed=14, shape=dict(dk=32, dv=32), bv=16, bvo=16, ks=16, kc=16,
+             bvu=16, state_pass="split")
+    _compare(errs, "d24_mha", gdn_chunk2_triton, seed=15, shape=dict(hk=2, hv=2, dk=24, dv=24), bt=16, bv=16,
+             bvo=16, ks=16, kc=16, state_pass="split")
+    _compare(errs, "idle_mask", gdn_chunk2_triton, lens=[40, 0, 17], seed=16, ws=_write_modes()["mask"], bt=16,
+             state_pass="split")
     return errs
 
 
@@ -179,7 +200,7 @@ def case_wiring():
 
 
 CASES = {"bt16": case_bt16, "bt64": case_bt64, "options": case_options, "blocks": case_blocks,
-         "wiring": case_wiring}
+         "split": case_split, "wiring": case_wiring}
 
 
 # -------------------------------------------------------------------------------------- the pytest side
