@@ -1,5 +1,6 @@
 """Runs a test module as a script under the Triton interpreter (TRITON_INTERPRET must be set before triton is
-imported, so in a fresh process) and returns the JSON object its last `{...}` line prints."""
+imported, so in a fresh process) and returns the JSON object its last `{...}` line prints; run_cases is the script
+side."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,3 +23,17 @@ def run_interpreted(script: str | Path, timeout: int = 300, kernels: str | None 
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+def run_cases(cases: dict) -> None:
+    """The script side: runs every case (name -> a function returning {check: relative error}) and prints the
+    results as one JSON line; a case that raises reports its traceback instead."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (the pytest fixture does)"
+    results = {}
+    for name, fn in cases.items():
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"error": traceback.format_exc()}
+    print(json.dumps(results))
+

@@ -9,17 +9,11 @@ is then one pytest test reading that result. The chunked-vs-recurrent reference 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 HK, HV, DK, DV = 2, 4, 16, 32  # GQA ratio 2, DK != DV
 NUM_SLOTS = 9
 SLOTS = [7, 1, 4]  # non-contiguous, out of order
@@ -249,12 +243,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", HYBRIDSPEC_KERNELS="triton", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    from interp import run_interpreted  # (tests/ is on sys.path under pytest)
+
+    return run_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -295,16 +286,7 @@ def test_chunk_ref_equals_recurrent_ref():
 
 # ------------------------------------------------------------------------------------ the interpreter side
 
-def _main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (the pytest fixture does)"
-    results = {}
-    for name, fn in CASES.items():
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    _main()
+    from interp import run_cases  # (tests/ is the script's directory)
+
+    run_cases(CASES)

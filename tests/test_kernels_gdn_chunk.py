@@ -10,16 +10,14 @@ prints every case's errors as JSON); each case is one pytest test reading that r
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-from interp import run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
+from interp import run_cases, run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_SLOTS = 9
@@ -220,18 +218,7 @@ def test_two_phase_chunk_equals_reference(interpreted, name):
 
 # ------------------------------------------------------------------------------------ the interpreter side
 
-def _main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (the pytest fixture does)"
-    torch.set_num_threads(1)
-    results = {}
-    for name, fn in CASES.items():
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    _main()
+    torch.set_num_threads(1)
+    run_cases(CASES)
