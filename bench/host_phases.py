@@ -80,12 +80,7 @@ class Phases:
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             self.step["execute+sync"] = (time.perf_counter() - t) * 1e3
-            decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)  # (no prefill chunk)
-            # (a step that captured a graph is not a served step's time: ~10-100x one)
-            if decode and len(requests) in KINDS_OF_BATCH and not getattr(run, "last_step_captured", False):
-                kind = "spec" if getattr(run, "last_draft_width", 0) else "plain"
-                for label, ms in self.step.items():
-                    self.acc[(self.policy, kind, label)].append(ms)
+            self.record(run, requests)
             return result
         runner.ModelRunner.execute = timed_execute
         serve = e2e.serve
@@ -95,6 +90,15 @@ class Phases:
             return serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy)
         e2e.serve = labelled_serve
 
+    def record(self, run, requests) -> None:
+        """Adds the current step's parts (self.step) if it is a served decode step of a reported batch size: no
+        prefill chunk, and no graph captured in it (a capture is ~10-100x a step)."""
+        decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)
+        if decode and len(requests) in KINDS_OF_BATCH and not getattr(run, "last_step_captured", False):
+            kind = "spec" if getattr(run, "last_draft_width", 0) else "plain"
+            for label, ms in self.step.items():
+                self.acc[(self.policy, kind, label)].append(ms)
+
     def table(self) -> dict[str, list[float]]:
         return {f"{p}|{k}|{label}": [sum(ms), len(ms), sum(ms) / len(ms), statistics.median(ms)]
                 for (p, k, label), ms in sorted(self.acc.items(), key=lambda kv: tuple(str(x) for x in kv[0]))}
@@ -102,7 +106,8 @@ class Phases:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phases-out", required=True, help="JSON: per policy|kind|part [total ms, steps, mean ms per step, median ms per step]")
+    ap.add_argument("--phases-out", required=True,
+                    help="JSON: per policy|kind|part [total ms, steps, mean ms per step, median ms per step]")
     ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
     ap.add_argument("--batches", default="1,64", help="batch sizes whose decode steps are reported")
     args, rest = ap.parse_known_args()

@@ -148,7 +148,7 @@ class TokenView(Sequence):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
-        return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return len(other) == self._n and self.tolist() == list(other)
 
     __hash__ = None  # type: ignore[assignment]  # (a view of mutable lists)
 

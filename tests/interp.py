@@ -37,3 +37,11 @@ def run_cases(cases: dict) -> None:
             results[name] = {"error": traceback.format_exc()}
     print(json.dumps(results))
 
+
+def assert_case(results: dict, name: str, tol: float) -> None:
+    """The pytest side: case `name` ran, and every check it reported (a relative error, or a flag that is 0 when
+    it holds) is within tol."""
+    result = results[name]
+    assert "error" not in result, result.get("error")
+    bad = {k: e for k, e in result.items() if not e <= tol}
+    assert not bad, f"{name}: relative errors above {tol} (or flags set): {bad}"

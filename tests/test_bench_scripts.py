@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,6 +53,31 @@ def test_host_phases_tiny_times_each_policys_parts_by_step_kind(tmp_path):
                "16", "--max-new", "8", "--cell-tokens", "8", "--policies", "hybridspec", "--out", str(tmp_path / "p"))
     forced = json.loads(out2.read_text())
     assert forced["hybridspec|plain|execute+sync"][1] > 0 and "hybridspec|spec|execute+sync" not in forced
+
+
+def test_host_phases_records_served_decode_steps_only():
+    """A step that captured a graph, a prefill chunk or an unreported batch size adds nothing; a served decode step
+    adds each part under its kind (spec when the runner drafted)."""
+    import types
+
+    sys.path.insert(0, str(ROOT))
+    import bench.host_phases as hp
+
+    ph = hp.Phases()
+    ph.policy = "hybridspec"
+    decode = [types.SimpleNamespace(tokens=[5], context_len=9)] * hp.KINDS_OF_BATCH[0]
+    ph.step.update({"execute+sync": 3.0, "lengths": 0.5})
+    ph.record(types.SimpleNamespace(last_step_captured=True, last_draft_width=4), decode)
+    ph.record(types.SimpleNamespace(last_step_captured=False, last_draft_width=4),
+              [types.SimpleNamespace(tokens=[5, 6], context_len=0)] * hp.KINDS_OF_BATCH[0])
+    ph.record(types.SimpleNamespace(last_step_captured=False, last_draft_width=0), decode * 3)  # not a kept size
+    assert not ph.acc
+    ph.record(types.SimpleNamespace(last_step_captured=False, last_draft_width=4), decode)
+    ph.step["execute+sync"] = 5.0
+    ph.record(types.SimpleNamespace(last_step_captured=False, last_draft_width=0), decode)
+    table = ph.table()
+    assert table["hybridspec|spec|execute+sync"] == [3.0, 1, 3.0, 3.0]
+    assert table["hybridspec|plain|execute+sync"] == [5.0, 1, 5.0, 5.0] and "hybridspec|spec|lengths" in table
 
 
 def test_router_logits_tiny_checks_both_kernels(tmp_path):

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from interp import assert_case, run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
+
 HK, HV, DK, DV = 2, 4, 16, 32  # GQA ratio 2, DK != DV
 NUM_SLOTS = 9
 SLOTS = [7, 1, 4]  # non-contiguous, out of order
@@ -243,17 +245,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def interpreted():
-    from interp import run_interpreted  # (tests/ is on sys.path under pytest)
 
     return run_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_equals_reference(interpreted, name):
-    result = interpreted[name]
-    assert "error" not in result, result.get("error")
-    bad = {k: e for k, e in result.items() if not e <= TOL}
-    assert not bad, f"{name}: relative errors above {TOL}: {bad}"
+    assert_case(interpreted, name, TOL)
 
 
 def test_chunk_ref_equals_recurrent_ref():

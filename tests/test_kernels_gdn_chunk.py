@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp import run_cases, run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
+from interp import assert_case, run_cases, run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_SLOTS = 9
@@ -210,10 +210,7 @@ def interpreted():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_phase_chunk_equals_reference(interpreted, name):
-    result = interpreted[name]
-    assert "error" not in result, result.get("error")
-    bad = {k: e for k, e in result.items() if not e <= TOL}
-    assert not bad, f"{name}: relative errors above {TOL} (or flags set): {bad}"
+    assert_case(interpreted, name, TOL)
 
 
 # ------------------------------------------------------------------------------------ the interpreter side
