@@ -1,7 +1,10 @@
 """MoE and paged-attention kernels on the GPU: correctness in bf16 at Qwen3.6-35B-A3B shapes, then CUDA-graph
 timings against the bandwidth floor, torch._grouped_mm and torch SDPA.
 
-    PYTHONPATH=. python bench/kernels_moe_attn.py [--quick] [--no-sweep]
+    PYTHONPATH=. python bench/kernels_moe_attn.py [--quick] [--no-sweep] [--only shared,...]
+
+`--only shared`: just the MoE layer's tail with the shared expert apart (today) vs fused into the MoE kernels as
+expert id E (SparseMoe.SHARED_FUSE_MAX_N), at N in SHARED_SIZES tokens, Zipf routing (`shared_tail`).
 
 Writes $OUT/kernels_moe_attn.json (or bench/out/ without $OUT) and prints a short table last.
 
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_timing import graph_time  # noqa: E402
 from kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 import kernels.attention_triton as AT  # noqa: E402
 from kernels.attention_triton import attention_plan, paged_attention_triton, write_kv_triton  # noqa: E402
@@ -53,34 +57,6 @@ def rel(out, ref) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def graph_time(calls, reps: int = 30) -> float:
-    """Median microseconds per call: one CUDA graph runs all `calls` in order; replayed `reps` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / len(calls))
-    del g
-    return statistics.median(times)
 
 
 def eager_time(calls, reps: int = 10) -> float:
@@ -243,17 +219,17 @@ def moe_breakdown(wts: MoeWeights, n: int, routing: str) -> dict:
     def gate_up(i, fused):
         dst = (sids2, bexp2, nblk2) if fused else (sids, bexp, nblk)
         return lambda: MT._moe_gate_up_kernel[(max_blocks, triton.cdiv(INTER, gbn))](
-            xs[i % layers], wts.gu[i % layers], h, *dst, flat, sids, nk, E, HID, INTER,
-            xs[0].stride(0), wts.gu[0].stride(0), wts.gu[0].stride(1), h.stride(0),
+            xs[i % layers], wts.gu[i % layers], wts.gu[i % layers], h, *dst, flat, sids, nk, E, HID, INTER, INTER,
+            xs[0].stride(0), wts.gu[0].stride(0), wts.gu[0].stride(1), wts.gu[0].stride(1), h.stride(0),
             TOP_K=TOPK, BLOCK_M=bm, BLOCK_N=gbn, BLOCK_K=gbk, FUSED_ALIGN=fused, HAS_MASK=False, E_P2=e_p2,
-            NK_P2=triton.next_power_of_2(nk), num_warps=gw, num_stages=gs)
+            NK_P2=triton.next_power_of_2(nk), SHARED=False, num_warps=gw, num_stages=gs)
 
     def down(i):
         return lambda: MT._moe_down_kernel[(max_blocks, triton.cdiv(HID, dbn))](
-            h, wts.dn[i % layers], y, rw, sids, bexp, nblk, out, sids, nblk, nk, HID, INTER,
-            h.stride(0), wts.dn[0].stride(0), wts.dn[0].stride(1), y.stride(0),
+            h, wts.dn[i % layers], wts.dn[i % layers], y, rw, sids, bexp, nblk, out, sids, nblk, nk, E, HID, INTER,
+            INTER, h.stride(0), wts.dn[0].stride(0), wts.dn[0].stride(1), wts.dn[0].stride(1), y.stride(0),
             BLOCK_M=bm, BLOCK_N=dbn, BLOCK_K=dbk, TOP_K=TOPK, FUSED_REDUCE=False, HAS_MASK=False, FENCE=False,
-            RED_T=16, num_warps=dw, num_stages=ds)
+            RED_T=16, SHARED=False, num_warps=dw, num_stages=ds)
 
     experts = int(ids.unique().numel())
     row = {"N": n, "routing": routing, "experts": experts, "block_m": bm,
@@ -264,8 +240,105 @@ def moe_breakdown(wts: MoeWeights, n: int, routing: str) -> dict:
     row["gate_up_fused_align_us"] = graph_time([gate_up(i, True) for i in range(8)])
     row["down_us"] = graph_time([down(i) for i in range(8)])
     row["reduce_us"] = graph_time([lambda: MT._moe_reduce_kernel[(n, triton.cdiv(HID, 1024))](
-        y, sids, out, HID, TOP_K=TOPK, HAS_MASK=False, BLOCK_H=1024, num_warps=4)] * 8)
+        y, sids, out, flat, E, HID, TOP_K=TOPK, HAS_MASK=False, BLOCK_H=1024, SHARED=False, num_warps=4)] * 8)
     return row
+
+
+SHARED_SIZES = (1, 2, 4, 8, 16, 64)
+
+
+def shared_moe_layers(wts: MoeWeights, seed: int = 0) -> list:
+    """One SparseMoe per weight set at the bench shapes (workers/bench_model.py's config): the routed experts are
+    wts' tensors (no copy); router N(0, 1/H) (unit-variance logits) + the Zipf bias, shared expert and its gate
+    random; an RMSNorm for the layer's tail."""
+    from workers.bench_model import qwen36_35b_a3b_config
+    from workers.model import RMSNorm, SparseMoe
+
+    cfg = qwen36_35b_a3b_config(1)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size) == (E, TOPK, HID,
+                                                                                                      INTER)
+    g = torch.Generator(device=DEV).manual_seed(100 + seed)
+    layers = []
+    for i, (gu, dn) in enumerate(zip(wts.gu, wts.dn)):
+        moe = SparseMoe(cfg, DT, DEV)
+        moe.experts.gate_up_proj = torch.nn.Parameter(gu, requires_grad=False)
+        moe.experts.down_proj = torch.nn.Parameter(dn, requires_grad=False)
+        torch.cuda.empty_cache()
+        with torch.no_grad():
+            for name, prm in moe.named_parameters():
+                if name.startswith("experts."):
+                    continue
+                prm.copy_(torch.randn(prm.shape, device=DEV, generator=g) * prm.shape[-1] ** -0.5)
+        moe.router_bias = zipf_bias(seed + i).float()
+        norm = RMSNorm(HID, cfg.rms_norm_eps, DT, DEV)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(HID, device=DEV, generator=g) * 0.1)
+        layers.append((moe, norm))
+    return layers
+
+
+def shared_tail(wts: MoeWeights, log, sizes=SHARED_SIZES) -> dict:
+    """A MoE layer's whole tail (router logits + route + routed experts + shared expert + residual add + next
+    RMSNorm, i.e. SparseMoe.forward(h, residual=x, norm=...)) as today (shared expert apart: its GEMM, silu_mul,
+    down GEMM, moe_residual_rmsnorm) vs fused (the shared expert as expert id E: router logits over E + 1 rows,
+    route with the shared slot, fused_moe, add_rmsnorm), per N tokens, Zipf routing, CUDA graphs over the 4
+    weight sets. Also the fused MoE kernels alone without / with the shared slot (same routing), and the error
+    between the two tails (norm-wise relative, and max |diff| / max |today|, on both outputs)."""
+    from workers.model import SparseMoe
+
+    layers = shared_moe_layers(wts)
+    nl = len(layers)
+    reps = max(2, 8 // nl) * nl
+    saved = SparseMoe.SHARED_FUSE_MAX_N
+    rows = []
+    try:
+        with torch.inference_mode():
+            for n in sizes:
+                gen = torch.Generator(device=DEV).manual_seed(2000 + n)
+                hs = [torch.randn(n, HID, device=DEV, dtype=DT, generator=gen) for _ in range(nl)]
+                res = [torch.randn(n, HID, device=DEV, dtype=DT, generator=gen) * 4 for _ in range(nl)]
+
+                def tail(i):
+                    moe, norm = layers[i % nl]
+                    return lambda: moe(hs[i % nl], None, res[i % nl], norm)
+
+                out = {}
+                for mode, limit in (("today", 0), ("fused", 1 << 30)):
+                    SparseMoe.SHARED_FUSE_MAX_N = limit
+                    out[mode] = [tail(i)() for i in range(nl)]
+                    out[mode + "_us"] = graph_time([tail(i) for i in range(reps)])
+                moe0 = layers[0][0]
+                w, ids = moe0.route(hs[0])
+                ws, ids_s = moe0.route_shared(hs[0])
+                row = {"N": n, "routing": "zipf", "experts": int(ids.unique().numel()),
+                       "today_us": out["today_us"], "fused_us": out["fused_us"],
+                       "saved_us": out["today_us"] - out["fused_us"],
+                       "routing_equal": bool(torch.equal(ids, ids_s[:, :TOPK]))}
+                row["rel_err"] = max(rel(a, b) for ta, tb in zip(out["fused"], out["today"]) for a, b in zip(ta, tb))
+                row["max_abs_rel_err"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                             for ta, tb in zip(out["fused"], out["today"]) for a, b in zip(ta, tb))
+                # the expert kernels alone: the routed MoE, and the call with the shared slot (layer 0's routing)
+                shared_w = [layer.shared_weights() for layer, _ in layers]
+
+                def kernels(i, with_shared):
+                    j = i % nl
+                    moe = layers[j][0]
+                    if with_shared:
+                        return lambda: fused_moe_triton(hs[j], moe.experts.gate_up_proj, moe.experts.down_proj, ws,
+                                                        ids_s, None, shared=shared_w[j])
+                    return lambda: fused_moe_triton(hs[j], moe.experts.gate_up_proj, moe.experts.down_proj, w, ids)
+
+                row["moe_kernels_us"] = graph_time([kernels(i, False) for i in range(reps)])
+                row["moe_kernels_shared_us"] = graph_time([kernels(i, True) for i in range(reps)])
+                rows.append(row)
+                log(f"shared tail N={n}: today {row['today_us']:.1f} us, fused {row['fused_us']:.1f} us "
+                    f"(saved {row['saved_us']:.1f}); MoE kernels {row['moe_kernels_us']:.1f} -> "
+                    f"{row['moe_kernels_shared_us']:.1f} with the shared slot; rel err {row['rel_err']:.2e} "
+                    f"(max {row['max_abs_rel_err']:.2e}), routing equal {row['routing_equal']}")
+    finally:
+        SparseMoe.SHARED_FUSE_MAX_N = saved
+    torch.cuda.empty_cache()
+    return {"rows": rows, "shared_fuse_max_n": saved}
 
 
 MOE_VARIANTS = {
@@ -513,7 +586,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated sections to run, e.g. 'shared' (the shared "
+                    "expert fused into the MoE vs apart); others: checks_moe, checks_attn, moe_sweep, moe, "
+                    "launch_overhead, moe_breakdown, attn_sweep, attention")
+    ap.add_argument("--shared-sizes", default=",".join(map(str, SHARED_SIZES)),
+                    help="token counts of the 'shared' section (e.g. 1,64,272,1024 to place SHARED_FUSE_MAX_N)")
     args = ap.parse_args()
+    only = {"moe_shared_tail" if x.strip() == "shared" else x.strip() for x in args.only.split(",") if x.strip()}
     out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -542,6 +621,8 @@ def main() -> None:
         out_json.write_text(json.dumps(result, indent=1, default=str))
 
     def section(name, fn):
+        if only and name not in only:
+            return
         try:
             result[name] = fn()
         except Exception:  # noqa: BLE001
@@ -553,8 +634,9 @@ def main() -> None:
     torch.manual_seed(0)
     wts = MoeWeights(layers=4)  # 4 x 1.5 GiB
     section("checks_moe", lambda: moe_checks(wts, log))
+    section("moe_shared_tail", lambda: shared_tail(wts, log, [int(n) for n in args.shared_sizes.split(",")]))
     section("checks_attn", lambda: attn_checks(log))
-    if not args.no_sweep:
+    if not args.no_sweep and (not only or "moe_sweep" in only):
         section("moe_sweep", lambda: moe_sweep(wts, log))
         best = result.get("moe_sweep", {}).get("best")
         if best:
@@ -630,7 +712,7 @@ def main() -> None:
             f"{r.get('sdpa_us', float('nan')):.1f}")
         return rows
 
-    if not args.no_sweep:
+    if not args.no_sweep and (not only or "attn_sweep" in only):
         section("attn_sweep", lambda: attn_sweep(log))
     result["attn_defaults"] = {"tiles": {str(k): v for k, v in AT.ATTN_TILES.items()}, "prefill": AT.PREFILL_TILE,
                                "split_waves": AT.SPLIT_WAVES, "split_min_keys": AT.SPLIT_MIN_KEYS}
@@ -638,11 +720,14 @@ def main() -> None:
     save()
 
     # ---- short table last
-    print("\n== checks (rel err vs fp32 reference) ==")
-    for k, v in {**result.get("checks_moe", {}), **result.get("checks_attn", {})}.items():
+    checks = {**result.get("checks_moe", {}), **result.get("checks_attn", {})}
+    if checks:
+        print("\n== checks (rel err vs fp32 reference) ==")
+    for k, v in checks.items():
         print(f"  {k}: {v if isinstance(v, bool) else f'{v:.2e}'}")
-    print(f"\n== MoE (commit {commit}, {props.name}, bf16, E=256 top-8 H=2048 I=512, graph median us/call) ==")
-    print(f"{'routing':14} {'N':>4} {'exp':>4} {'floor':>7} {'triton':>7} {'x':>5} {'gmm_eag':>8} {'gmm_gr':>7}")
+    if result.get("moe"):
+        print(f"\n== MoE (commit {commit}, {props.name}, bf16, E=256 top-8 H=2048 I=512, graph median us/call) ==")
+        print(f"{'routing':14} {'N':>4} {'exp':>4} {'floor':>7} {'triton':>7} {'x':>5} {'gmm_eag':>8} {'gmm_gr':>7}")
     for r in result.get("moe", []):
         if "N" in r:
             print(f"{r['routing']:14} {r['N']:>4} {r['experts']:>4} {r['floor_us']:7.1f} {r['triton_us']:7.1f} "
@@ -650,8 +735,9 @@ def main() -> None:
                   f"{r.get('grouped_mm_graph_us', float('nan')):7.1f}")
         else:
             print(f"route N={r['route_N']}: triton {r['triton_us']:.1f} us, torch {r['torch_us']:.1f} us")
-    print(f"\n== paged attention (HQ16/HKV2/D256, page 16, graph median us/call) ==")
-    print(f"{'B':>3} {'T':>5} {'ctx':>5} {'floor':>7} {'ours':>7} {'x':>6} {'sdpa':>7} {'S':>3} {'BM':>4}")
+    if result.get("attention"):
+        print("\n== paged attention (HQ16/HKV2/D256, page 16, graph median us/call) ==")
+        print(f"{'B':>3} {'T':>5} {'ctx':>5} {'floor':>7} {'ours':>7} {'x':>6} {'sdpa':>7} {'S':>3} {'BM':>4}")
     for r in result.get("attention", []):
         print(f"{r['B']:>3} {r['q_len']:>5} {r['ctx']:>5} {r['floor_us']:7.1f} {r['triton_us']:7.1f} "
               f"{r['x_floor']:6.2f} {r.get('sdpa_us', float('nan')):7.1f} {r['plan']['splits']:>3} "
@@ -664,6 +750,15 @@ def main() -> None:
                   f"{r['down_us']:.1f} (floor {r['floor_down_us']:.1f}) | reduce {r['reduce_us']:.1f}")
     if result.get("launch_overhead"):
         print(f"  one-kernel graph node: {result['launch_overhead']}")
+    if result.get("moe_shared_tail"):
+        print(f"\n== MoE layer tail (router + route + experts + shared + residual/norm), zipf, graph median us; "
+              f"fused up to SHARED_FUSE_MAX_N={result['moe_shared_tail']['shared_fuse_max_n']} in the model ==")
+        print(f"{'N':>4} {'exp':>4} {'today':>7} {'fused':>7} {'saved':>6} {'moe':>7} {'moe+sh':>7} {'rel_err':>9} "
+              f"{'max_err':>9} {'ids=':>5}")
+        for r in result["moe_shared_tail"]["rows"]:
+            print(f"{r['N']:>4} {r['experts']:>4} {r['today_us']:7.1f} {r['fused_us']:7.1f} {r['saved_us']:6.1f} "
+                  f"{r['moe_kernels_us']:7.1f} {r['moe_kernels_shared_us']:7.1f} {r['rel_err']:9.2e} "
+                  f"{r['max_abs_rel_err']:9.2e} {str(r['routing_equal']):>5}")
     if result["errors"]:
         print("ERRORS in sections:", list(result["errors"]))
     print(f"json: {out_json}  total {time.time() - t0:.0f}s")

@@ -62,6 +62,19 @@ def conv_commit(x, cu_seqlens, keep_lens, conv_state, slots, max_len):
     return conv_commit_ref(x, cu_seqlens, keep_lens, conv_state, slots, max_len)
 
 
+def gdn_decode(x, z, a, b, conv_weight, neg_a, dt_bias, norm_weight, eps, cu_seqlens, conv_state, state, slots,
+               scale=None, write_state=True, keep_inputs=False):
+    """A GDN layer's plain decode (0 or 1 token per request): conv, gates, delta rule, gated norm in one launch
+    (kernels.gdn_decode.gdn_decode_ref): o [N, HV*DV] (with keep_inputs: (o, conv output, g, beta))."""
+    if use_triton(x):
+        from kernels.gdn_decode_triton import gdn_decode_triton
+        return gdn_decode_triton(x, z, a, b, conv_weight, neg_a, dt_bias, norm_weight, eps, cu_seqlens, conv_state,
+                                 state, slots, scale, write_state, keep_inputs)
+    from kernels.gdn_decode import gdn_decode_ref
+    return gdn_decode_ref(x, z, a, b, conv_weight, neg_a, dt_bias, norm_weight, eps, cu_seqlens, conv_state, state,
+                          slots, scale, write_state, keep_inputs)
+
+
 # ------------------------------------------------------------------- MoE / attention (issue 6, items 4 and 5)
 # Triton versions: kernels/moe_triton.py, kernels/attention_triton.py. Same signatures as the references; the
 # Triton attention uses the host lists only as size hints (results come from the device tensors), and neither
@@ -76,14 +89,15 @@ def router_logits(x, weight):
     return router_logits_ref(x, weight)
 
 
-def route(router_logits, top_k, renormalize, out_dtype=None, bias=None):
+def route(router_logits, top_k, renormalize, out_dtype=None, bias=None, shared=False):
     """Softmax top-k routing (kernels.moe.route_ref): (weights [N, k] in out_dtype or the logits' dtype,
-    ids [N, k] int64); `bias` [E] is added to the logits first."""
+    ids [N, k] int64); `bias` [E] is added to the logits first. `shared`: logits [N, E + 1] (the last column the
+    shared expert's gate), one more slot per token (id E, sigmoid(gate)): [N, k + 1]."""
     from kernels.moe import route_ref
     if use_triton(router_logits):
         from kernels.moe_triton import route_triton
-        return route_triton(router_logits, top_k, renormalize, out_dtype, bias)
-    return route_ref(router_logits, top_k, renormalize, out_dtype, bias)
+        return route_triton(router_logits, top_k, renormalize, out_dtype, bias, shared)
+    return route_ref(router_logits, top_k, renormalize, out_dtype, bias, shared)
 
 
 def expert_counts(topk_ids, token_mask, num_experts):
@@ -103,13 +117,14 @@ def distinct_experts(topk_ids, token_mask, num_experts):
     return distinct_experts_ref(topk_ids, token_mask, num_experts)
 
 
-def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None):
-    """Routed experts of all tokens of a step (kernels.moe.fused_moe_ref): [N, H]; masked rows cost nothing."""
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None, shared=None):
+    """Routed experts of all tokens of a step (kernels.moe.fused_moe_ref): [N, H]; masked rows cost nothing.
+    `shared` (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E is the shared expert, in the same launches."""
     from kernels.moe import fused_moe_ref
     if use_triton(x):
         from kernels.moe_triton import fused_moe_triton
-        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask)
-    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask)
+        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared=shared)
+    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared)
 
 
 def write_kv(k, v, k_cache, v_cache, page_table, positions, request_of_row):
@@ -210,3 +225,18 @@ def moe_residual(x, routed, gate_logit, shared):
         return moe_residual_triton(x, routed, gate_logit, shared)
     from kernels.elementwise import moe_residual_ref
     return moe_residual_ref(x, routed, gate_logit, shared)
+
+
+# ------------------------------------------------------------------- dense projections at few rows (issue 6)
+
+def linear(x, weight, bias=None):
+    """x @ weight^T + bias (F.linear): on the Triton path a 2-D x of 1..kernels.gemv.SMALL_N_MAX rows takes the
+    one-launch GEMV (kernels.gemv_triton.linear_small_triton; reference kernels.gemv.linear_small_ref), anything
+    else F.linear (cuBLAS). workers/model.py's Linear and FusedLinears call this; the LM head does not (cuBLAS is at
+    its floor there). SMALL_N_MAX = 0 (HYBRIDSPEC_GEMV_MAX_N=0) keeps every projection on F.linear."""
+    from kernels import gemv
+    if x.dim() == 2 and 0 < x.shape[0] <= min(gemv.SMALL_N_MAX, gemv.GEMV_MAX_ROWS) and use_triton(x):
+        from kernels.gemv_triton import linear_small_triton
+        return linear_small_triton(x, weight, bias)
+    from torch.nn.functional import linear as torch_linear
+    return torch_linear(x, weight, bias)

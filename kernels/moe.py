@@ -2,6 +2,12 @@
 
 Expert weights: `w_gate_up` [E, 2I, H] (gate rows then up rows), `w_down` [E, H, I]. Tokens of every request
 are grouped by expert so each touched expert's weights are read once per step.
+
+The shared expert as one more expert (issue 6): the router's logits over E + 1 rows (its last row the shared
+expert's gate), `route_ref(..., shared=True)` gives every token a slot k = (expert id E, sigmoid(gate logit)) after
+its top-k routed slots, and `fused_moe_ref(..., shared=(w_gate_up_s [2I_s, H], w_down_s [H, I_s]))` runs id E with
+the shared expert's own weights (I_s may differ from I): routed and shared experts in one call. A masked token
+(token_mask False) gets no routed work and keeps its shared slot, as the shared expert computed apart does.
 """
 
 from __future__ import annotations
@@ -21,9 +27,19 @@ def router_logits_ref(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def route_ref(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
-              bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              bias: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor]:
     """router_logits [N, E] (+ bias [E], added in the logits' dtype) -> (weights [N, k] in out_dtype, default the
-    logits' dtype, expert ids [N, k] int64)."""
+    logits' dtype, expert ids [N, k] int64).
+
+    shared: router_logits is [N, E + 1], its last column the shared expert's gate logit. The routed slots come
+    from the first E columns exactly as without it (bias [E] on those only); one more slot per token follows them:
+    (expert id E, sigmoid(gate logit) computed in fp32) -> weights, ids [N, k + 1]."""
+    if shared:
+        num_experts = router_logits.shape[-1] - 1
+        weights, ids = route_ref(router_logits[:, :num_experts], top_k, renormalize,
+                                 out_dtype or router_logits.dtype, bias)
+        gate = torch.sigmoid(router_logits[:, num_experts:].float()).to(weights.dtype)
+        return torch.cat([weights, gate], dim=1), torch.cat([ids, torch.full_like(ids[:, :1], num_experts)], dim=1)
     if bias is not None:
         router_logits = router_logits + bias.to(router_logits.dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -40,13 +56,23 @@ def fused_moe_ref(
     topk_weights: Tensor,  # [N, k]
     topk_ids: Tensor,  # [N, k] int64
     token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
+    shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
 ) -> Tensor:
-    """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H]."""
+    """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
+
+    With `shared`, id E (= w_gate_up.shape[0]) is the shared expert (its own weights, I_s may differ from I):
+    route_ref(..., shared=True) gives each token that slot with weight sigmoid(gate logit). A masked token gets no
+    routed work but keeps its shared slot: the layer's output on every row is that of the routed MoE plus the gated
+    shared expert computed apart (which runs on every row; the shared weights are read for the batch anyway)."""
     num_tokens, top_k = topk_ids.shape
+    num_experts = w_gate_up.shape[0]
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)  # [N*k]
     if token_mask is not None:
-        flat_ids = torch.where(token_mask.repeat_interleave(top_k), flat_ids, -1)
+        keep = token_mask.repeat_interleave(top_k)
+        if shared is not None:
+            keep = keep | (flat_ids == num_experts)
+        flat_ids = torch.where(keep, flat_ids, -1)
     order = torch.argsort(flat_ids, stable=True)  # assignments sorted by expert
     sorted_ids = flat_ids[order]
     experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
@@ -57,9 +83,13 @@ def fused_moe_ref(
         if e < 0:
             start += n
             continue
+        if e == num_experts and shared is not None:
+            w_gu, w_dn = shared
+        else:
+            w_gu, w_dn = w_gate_up[e], w_down[e]
         rows = token_of[start : start + n]
-        gate, up = F.linear(x[rows], w_gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down[e]) * weight_of[start : start + n, None]
+        gate, up = F.linear(x[rows], w_gu).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_dn) * weight_of[start : start + n, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += n
     return out

@@ -19,6 +19,12 @@ CUDA graph (every grid is sized from shapes only, with an upper bound on the wor
 4. `_moe_reduce_kernel`: out[n] = sum_j y[n*k + j] (0 for masked tokens). Optionally (FUSE_REDUCE_MAX_NK, off
    by default) the last down program of each column slice does this instead.
 
+The shared expert as one more expert (`shared=` of fused_moe_triton, route_triton(..., shared=True)): id E reads
+the shared expert's own tensors (a base pointer picked per block, `_expert_weights`; its own intermediate size
+I_s by masks), so a MoE layer at few tokens is router logits, route, gate/up, down, reduce and the residual + norm,
+with no shared-expert kernels of its own. A masked token keeps its shared slot (grouped, and added by the reduce):
+every row gets what the shared expert computed apart gives it, and the shared weights are read for the batch anyway.
+
 Every touched expert's weights are read once per n-tile; the blocks of one expert sit next to each other in
 the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles from L2, not HBM.
 """
@@ -122,6 +128,8 @@ def _route_kernel(
     E_P2: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SHARED: tl.constexpr,  # logits column E: the shared expert's gate -> slot TOP_K = (E, sigmoid)
+    ROW_OUT: tl.constexpr,  # output row length: TOP_K, or TOP_K + 1 with SHARED
 ):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
@@ -144,24 +152,32 @@ def _route_kernel(
         p = tl.where(e == idx, -2.0, p)
     if RENORM:
         vals = vals / tl.sum(tl.where(kk < TOP_K, vals, 0.0), axis=0)
-    tl.store(w_ptr + row * TOP_K + kk, vals.to(w_ptr.dtype.element_ty), mask=kk < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + kk, idxs, mask=kk < TOP_K)
+    tl.store(w_ptr + row * ROW_OUT + kk, vals.to(w_ptr.dtype.element_ty), mask=kk < TOP_K)
+    tl.store(ids_ptr + row * ROW_OUT + kk, idxs, mask=kk < TOP_K)
+    if SHARED:
+        gate = tl.sigmoid(tl.load(logits_ptr + row * stride_l + E).to(tl.float32))
+        tl.store(w_ptr + row * ROW_OUT + TOP_K, gate.to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + row * ROW_OUT + TOP_K, E.to(tl.int64))
 
 
 def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
-                 bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 bias: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor]:
     """router_logits [N, E] (+ bias [E]) -> (weights [N, k] in out_dtype (default the logits' dtype), expert ids
-    [N, k] int64). As route_ref: the bias add and the cast are in the same launch."""
-    n, e = router_logits.shape
+    [N, k] int64). As route_ref: the bias add and the cast are in the same launch. `shared`: logits [N, E + 1],
+    the last column the shared expert's gate; one more slot per token (id E, sigmoid) -> [N, k + 1]."""
+    n, cols = router_logits.shape
+    e = cols - 1 if shared else cols
+    row_out = top_k + 1 if shared else top_k
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = torch.empty(n, top_k, dtype=out_dtype or router_logits.dtype, device=router_logits.device)
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=router_logits.device)
+    weights = torch.empty(n, row_out, dtype=out_dtype or router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(n, row_out, dtype=torch.int64, device=router_logits.device)
     if n == 0:
         return weights, ids
     e_p2 = triton.next_power_of_2(e)
     _route_kernel[(n,)](logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0),
                         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
-                        HAS_BIAS=bias is not None, num_warps=4 if e_p2 >= 512 else 1)
+                        HAS_BIAS=bias is not None, SHARED=bool(shared), ROW_OUT=row_out,
+                        num_warps=4 if e_p2 >= 512 else 1)
     return weights, ids
 
 
@@ -173,26 +189,36 @@ def _mask_i8(token_mask: Tensor) -> Tensor:
 
 
 @triton.jit
-def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Experts of assignments `offs` as int32; E (a bin of its own) where out of range or the token is masked."""
+def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
+              SHARED: tl.constexpr):
+    """Experts of assignments `offs` as int32; E (a bin of its own) where out of range or the token is masked
+    (with SHARED, a masked token keeps its shared slot, id E - 1)."""
     inb = offs < NK
     ids = tl.load(topk_ids_ptr + offs, mask=inb, other=E).to(tl.int32)
     if HAS_MASK:
         keep = tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0
+        if SHARED:
+            keep = keep | (ids == E - 1)
         ids = tl.where(keep, ids, E)
     return ids
 
 
 @triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
-def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, counts_ptr, NK, E, TOP_K: tl.constexpr,
+def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, counts_ptr, NK, E, stride_row, TOP_K: tl.constexpr,
                              HAS_MASK: tl.constexpr, COUNTS: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
     """One program: how many of the E experts the unmasked assignments touch (int64 scalar) and, with COUNTS,
-    the assignments per expert (int64 [E])."""
+    the assignments per expert (int64 [E]). ids [N, TOP_K] with rows stride_row apart (the routed columns of
+    route's [N, k + 1] with the shared slot are read in place)."""
     e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     for start in range(0, NK, BLOCK):
-        counts += tl.histogram(_kept_ids(ids_ptr, mask_ptr, start + tl.arange(0, BLOCK), NK, E, TOP_K, HAS_MASK),
-                               E_P2)
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < NK
+        ids = tl.load(ids_ptr + (offs // TOP_K).to(tl.int64) * stride_row + offs % TOP_K, mask=inb,
+                      other=E).to(tl.int32)
+        if HAS_MASK:
+            ids = tl.where(tl.load(mask_ptr + offs // TOP_K, mask=inb, other=0) != 0, ids, E)
+        counts += tl.histogram(ids, E_P2)
     tl.store(out_ptr, tl.sum(((e < E) & (counts > 0)).to(tl.int64), axis=0))
     if COUNTS:
         tl.store(counts_ptr + e, counts.to(tl.int64), mask=e < E)
@@ -208,10 +234,10 @@ def _expert_stats(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int,
     # the kernel writes the scalar and every expert's count: no memsets (two launches a layer in every step)
     out = torch.empty((), dtype=torch.int64, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int64, device=dev) if with_counts else None
-    ids = topk_ids.reshape(-1).contiguous()
+    ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()  # strided rows: read in place
     mask = _mask_i8(token_mask) if token_mask is not None else ids
-    nk = ids.numel()
-    _distinct_experts_kernel[(1,)](ids, mask, out, counts if with_counts else out, nk, num_experts,
+    nk = n * k
+    _distinct_experts_kernel[(1,)](ids, mask, out, counts if with_counts else out, nk, num_experts, ids.stride(0),
                                    TOP_K=k, HAS_MASK=token_mask is not None, COUNTS=with_counts,
                                    E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=128 if nk <= 128 else 1024,
                                    num_warps=4 if nk <= 128 else 8)
@@ -246,13 +272,14 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,
     E_P2: tl.constexpr,  # power of two > E (bin E collects masked / out-of-range assignments)
     CHUNK: tl.constexpr,
+    SHARED: tl.constexpr,  # id E - 1 is the shared expert (kept for masked tokens)
 ):
     bins = tl.arange(0, E_P2)
     # pass 1: assignments per expert
     counts = tl.zeros([E_P2], tl.int32)
     for start in range(0, NK, CHUNK):
-        counts += tl.histogram(_kept_ids(topk_ids_ptr, mask_ptr, start + tl.arange(0, CHUNK), NK, E, TOP_K, HAS_MASK),
-                               E_P2)
+        counts += tl.histogram(_kept_ids(topk_ids_ptr, mask_ptr, start + tl.arange(0, CHUNK), NK, E, TOP_K, HAS_MASK,
+                                         SHARED), E_P2)
     counts = tl.where(bins < E, counts, 0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M  # [E_P2]
     blk_end = tl.cumsum(nblk, axis=0)
@@ -269,7 +296,7 @@ def _moe_align_kernel(
     # the GEMM rows are independent and results are scattered back by assignment index)
     for start in range(0, NK, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK)
+        ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK, SHARED)
         real = ids < E
         dest = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=real)
         tl.store(sorted_ids_ptr + dest, offs, mask=real)
@@ -281,11 +308,11 @@ def _moe_align_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
-                BLOCK_M: tl.constexpr, E_P2: tl.constexpr, NK_P2: tl.constexpr):
+                BLOCK_M: tl.constexpr, E_P2: tl.constexpr, NK_P2: tl.constexpr, SHARED: tl.constexpr):
     """(expert of block pid_m, its BLOCK_M assignment indices (NK = padding), number of blocks), in the order of
     moe_align_ref (ascending assignment index inside an expert)."""
     offs = tl.arange(0, NK_P2)
-    ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK)
+    ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK, SHARED)
     bins = tl.arange(0, E_P2)
     counts = tl.where(bins < E, tl.histogram(ids, E_P2), 0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
@@ -302,26 +329,44 @@ def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_M
     return expert, aid, total
 
 
+@triton.jit
+def _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stride_swn, SHARED: tl.constexpr):
+    """(base pointer, row stride, intermediate size) of `expert`'s weights: with SHARED, id E - 1 is the shared
+    expert (its own 2-D tensor at ws_ptr, intermediate size I_S), the others experts of the 3-D tensor at w_ptr."""
+    base = w_ptr + expert * stride_we
+    wn = stride_wn
+    inter = I
+    if SHARED:
+        if expert == E - 1:
+            base = ws_ptr
+            wn = stride_swn
+            inter = I_S
+    return base, wn, inter
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. gate/up grouped GEMM with SiLU * up fused
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _moe_gate_up_kernel(
     x_ptr,  # [N, H]
-    w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1
-    h_ptr,  # [max_rows, I] out: silu(gate) * up per sorted row
+    w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (with SHARED: the E - 1 routed experts)
+    ws_ptr,  # [2I_S, H] the shared expert's gate and up rows (SHARED only)
+    h_ptr,  # [max_rows, max(I, I_S)] out: silu(gate) * up per sorted row
     sorted_ids_ptr,  # [max_rows] int32 (in, or out when FUSED_ALIGN)
     block_expert_ptr,  # [max_blocks] int32 (in, or out when FUSED_ALIGN)
     num_blocks_ptr,  # [1] int32 (in, or out when FUSED_ALIGN)
     topk_ids_ptr,  # [N*K] (FUSED_ALIGN only)
     mask_ptr,  # [N] int8 (FUSED_ALIGN with HAS_MASK only)
     NK,
-    E,
+    E,  # expert ids 0..E-1 (the shared expert's included)
     H,
     I,
+    I_S,
     stride_xn,
     stride_we,
     stride_wn,
+    stride_swn,
     stride_hm,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -331,13 +376,14 @@ def _moe_gate_up_kernel(
     HAS_MASK: tl.constexpr,
     E_P2: tl.constexpr,
     NK_P2: tl.constexpr,
+    SHARED: tl.constexpr,  # expert id E - 1 is the shared expert (ws_ptr, I_S)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if FUSED_ALIGN:
         expert32, aid, total = _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K, HAS_MASK, BLOCK_M, E_P2,
-                                           NK_P2)
+                                           NK_P2, SHARED)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(num_blocks_ptr, total)
         if pid_m >= total:
@@ -351,14 +397,18 @@ def _moe_gate_up_kernel(
             return
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         aid = tl.load(sorted_ids_ptr + rows)
+    w_base, wn, inter = _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stride_swn, SHARED)
+    if SHARED:
+        if pid_n * BLOCK_N >= inter:  # I != I_S: column tiles past this expert's width
+            return
     valid = aid < NK
     tok = (aid // TOP_K).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
+    nmask = n < inter
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xn + k[None, :]  # [BM, BK]
-    wg_ptrs = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
-    wu_ptrs = wg_ptrs + I * stride_wn
+    wg_ptrs = w_base + n[:, None].to(tl.int64) * wn + k[None, :]  # [BN, BK]
+    wu_ptrs = wg_ptrs + inter * wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -381,8 +431,9 @@ def _moe_gate_up_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _moe_down_kernel(
-    h_ptr,  # [max_rows, I]
-    w_ptr,  # [E, H, I]
+    h_ptr,  # [max_rows, max(I, I_S)]
+    w_ptr,  # [E, H, I] (with SHARED: the E - 1 routed experts)
+    ws_ptr,  # [H, I_S] the shared expert's down projection (SHARED only)
     y_ptr,  # [N*K, H] out
     topk_w_ptr,  # [N*K] routing weights
     sorted_ids_ptr,
@@ -392,11 +443,14 @@ def _moe_down_kernel(
     mask_ptr,  # [N] int8 (FUSED_REDUCE with HAS_MASK only)
     counter_ptr,  # [>= grid n] int32, zero between calls (FUSED_REDUCE only)
     NK,
+    E,  # expert ids 0..E-1 (the shared expert's included)
     H,
     I,
+    I_S,
     stride_hm,
     stride_we,
     stride_wn,
+    stride_swn,
     stride_ym,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -406,6 +460,7 @@ def _moe_down_kernel(
     HAS_MASK: tl.constexpr,
     FENCE: tl.constexpr,  # emit a gpu-scope fence per thread (real GPUs; the interpreter runs programs in order)
     RED_T: tl.constexpr,  # tokens per reduce step
+    SHARED: tl.constexpr,  # expert id E - 1 is the shared expert (ws_ptr, I_S)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -416,12 +471,14 @@ def _moe_down_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         aid = tl.load(sorted_ids_ptr + rows)
         valid = aid < NK
+        w_base, wn, inter = _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stride_swn,
+                                            SHARED)
         k = tl.arange(0, BLOCK_K)
         h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + k[None, :]  # [BM, BK]
-        w_ptrs = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
+        w_ptrs = w_base + n[:, None].to(tl.int64) * wn + k[None, :]  # [BN, BK]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            kmask = (k0 + k) < I
+        for k0 in range(0, inter, BLOCK_K):
+            kmask = (k0 + k) < inter
             a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc)
@@ -466,19 +523,28 @@ def _moe_reduce_kernel(
     y_ptr,  # [N*K, H]
     mask_ptr,  # [N] int8 or dummy
     out_ptr,  # [N, H]
+    topk_ids_ptr,  # [N*K] (SHARED with HAS_MASK only)
+    E,  # expert ids 0..E-1, the shared expert's E - 1 (SHARED only)
     H,
     TOP_K: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     if HAS_MASK:
-        hmask = hmask & (tl.load(mask_ptr + tok) != 0)  # masked tokens: their rows of y were never written
+        keep = tl.load(mask_ptr + tok) != 0  # masked tokens: their (routed) rows of y were never written
+        if not SHARED:
+            hmask = hmask & keep
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (tok * TOP_K + j) * H + h, mask=hmask, other=0.0).to(tl.float32)
+        jmask = hmask
+        if HAS_MASK:
+            if SHARED:  # a masked token's shared slot was computed
+                jmask = hmask & (keep | (tl.load(topk_ids_ptr + tok * TOP_K + j) == E - 1))
+        acc += tl.load(y_ptr + (tok * TOP_K + j) * H + h, mask=jmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + tok * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
 
 
@@ -488,6 +554,7 @@ def moe_align_triton(
     num_experts: int,
     top_k: int,
     block_m: int,
+    shared: bool = False,  # id num_experts - 1 is the shared expert: a masked token keeps that slot
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Group assignments by expert into blocks of block_m rows, on the device.
 
@@ -510,18 +577,21 @@ def moe_align_triton(
     chunk = 128 if nk <= 128 else 1024  # two compiled variants, not one per power of two of NK
     _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, nk, num_experts,
                             TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk,
-                            num_warps=4 if chunk <= 256 else 8)
+                            SHARED=bool(shared), num_warps=4 if chunk <= 256 else 8)
     return sorted_ids, block_expert, num_blocks, mask
 
 
 def moe_align_ref(
-    flat_ids: Tensor, token_mask: Tensor | None, num_experts: int, top_k: int, block_m: int
+    flat_ids: Tensor, token_mask: Tensor | None, num_experts: int, top_k: int, block_m: int, shared: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """PyTorch reference of moe_align_triton (stable order inside each expert; host sync, for tests)."""
     nk = flat_ids.numel()
     ids = flat_ids.long().clone()
     if token_mask is not None:
-        ids[~token_mask.bool().repeat_interleave(top_k)] = num_experts
+        drop = ~token_mask.bool().repeat_interleave(top_k)
+        if shared:
+            drop &= ids != num_experts - 1
+        ids[drop] = num_experts
     max_blocks = triton.cdiv(nk, block_m) + min(num_experts, nk)
     sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=flat_ids.device)
     block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=flat_ids.device)
@@ -582,10 +652,16 @@ def fused_moe_triton(
     topk_ids: Tensor,  # [N, k] int64
     token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
     config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
+    shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
 ) -> Tensor:
     """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
 
-    As fused_moe_ref, on the device without a host sync (graph-capturable)."""
+    As fused_moe_ref, on the device without a host sync (graph-capturable). With `shared`, id E is one more
+    expert read from the shared expert's own tensors (no copy of any weights; I_s != I handled by masks: column
+    tiles past an expert's width exit at once, its down product runs over its own width), grouped, weighted and
+    reduced with the routed slots: the shared expert costs no launch of its own. A masked token keeps its shared
+    slot (fused_moe_ref). Tiles and the in-kernel grouping threshold follow the routed assignments (N * (k - 1)
+    with the shared slot), as without it."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w_gate_up.shape
     inter = two_i // 2
@@ -596,17 +672,31 @@ def fused_moe_triton(
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    if shared is not None:
+        ws_gu, ws_dn = (w if w.stride(-1) == 1 else w.contiguous() for w in shared)
+        inter_s = ws_gu.shape[0] // 2
+        if ws_gu.shape != (2 * inter_s, hidden) or ws_dn.shape != (hidden, inter_s):
+            raise ValueError(f"shared expert weights {tuple(ws_gu.shape)}, {tuple(ws_dn.shape)} do not match hidden "
+                             f"size {hidden}")
+        ids_total = num_experts + 1  # the shared expert is id E
+        routed_k = top_k - 1  # tiles and thresholds as for the routed slots alone
+    else:
+        ws_gu, ws_dn, inter_s = w_gate_up, w_down, inter  # dummies (the kernels never read them)
+        ids_total, routed_k = num_experts, top_k
+    inter_max = max(inter, inter_s)
     ids = topk_ids.reshape(-1).contiguous()  # [NK]
     rw = topk_weights.reshape(-1).contiguous()  # [NK]
     nk = ids.numel()
     cfg = dict(config or {})
-    block_m = cfg.get("block_m") or moe_block_m(num_tokens, top_k, num_experts)
+    block_m = cfg.get("block_m") or moe_block_m(num_tokens, max(routed_k, 1), num_experts)
     tiles = {**MOE_CONFIGS[block_m if block_m in MOE_CONFIGS else 64], **cfg}
-    fuse_align = cfg.get("fuse_align", nk <= FUSE_ALIGN_MAX_NK)
-    fuse_reduce = cfg.get("fuse_reduce", nk <= FUSE_REDUCE_MAX_NK)
-    max_blocks = triton.cdiv(nk, block_m) + min(num_experts, nk)
+    fuse_align = cfg.get("fuse_align", num_tokens * routed_k <= FUSE_ALIGN_MAX_NK)
+    fuse_reduce = cfg.get("fuse_reduce", num_tokens * routed_k <= FUSE_REDUCE_MAX_NK)
+    if shared is not None and token_mask is not None:
+        fuse_reduce = False  # the separate reduce adds a masked token's shared slot (the down kernel's does not)
+    max_blocks = triton.cdiv(nk, block_m) + min(ids_total, nk)
     max_rows = max_blocks * block_m
-    e_p2 = triton.next_power_of_2(num_experts + 1)
+    e_p2 = triton.next_power_of_2(ids_total + 1)
     has_mask = token_mask is not None
 
     if fuse_align:
@@ -616,31 +706,33 @@ def fused_moe_triton(
         num_blocks = work[max_rows + max_blocks :]
         mask = _mask_i8(token_mask) if has_mask else work
     else:
-        sorted_ids, block_expert, num_blocks, mask = moe_align_triton(ids, token_mask, num_experts, top_k, block_m)
+        sorted_ids, block_expert, num_blocks, mask = moe_align_triton(ids, token_mask, ids_total, top_k, block_m,
+                                                                      shared is not None)
 
-    h = torch.empty(max_rows, inter, dtype=x.dtype, device=dev)  # [max_rows, I]
+    h = torch.empty(max_rows, inter_max, dtype=x.dtype, device=dev)  # [max_rows, max(I, I_s)]
     bn, bk, warps, stages = tiles["gate_up"]
     bk = min(bk, max(16, triton.next_power_of_2(hidden)))
-    _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, bn))](
-        x, w_gate_up, h, sorted_ids, block_expert, num_blocks, ids, mask, nk, num_experts, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+    _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter_max, bn))](
+        x, w_gate_up, ws_gu, h, sorted_ids, block_expert, num_blocks, ids, mask, nk, ids_total, hidden, inter,
+        inter_s, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws_gu.stride(0), h.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FUSED_ALIGN=fuse_align, HAS_MASK=has_mask,
         E_P2=e_p2, NK_P2=triton.next_power_of_2(max(nk, FUSE_ALIGN_MAX_NK)) if fuse_align else 1,
-        num_warps=warps, num_stages=stages)
+        SHARED=shared is not None, num_warps=warps, num_stages=stages)
 
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
     bn, bk, warps, stages = tiles["down"]
-    bk = min(bk, max(16, triton.next_power_of_2(inter)))
+    bk = min(bk, max(16, triton.next_power_of_2(inter_max)))
     grid_n = triton.cdiv(hidden, bn)
     counters = _reduce_counters(dev, grid_n) if fuse_reduce else num_blocks
     _moe_down_kernel[(max_blocks, grid_n)](
-        h, w_down, y, rw, sorted_ids, block_expert, num_blocks, out, mask, counters, nk, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h, w_down, ws_dn, y, rw, sorted_ids, block_expert, num_blocks, out, mask, counters, nk, ids_total, hidden,
+        inter, inter_s, h.stride(0), w_down.stride(0), w_down.stride(1), ws_dn.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, TOP_K=top_k, FUSED_REDUCE=fuse_reduce, HAS_MASK=has_mask,
-        FENCE=fuse_reduce and x.is_cuda, RED_T=16, num_warps=warps, num_stages=stages)
+        FENCE=fuse_reduce and x.is_cuda, RED_T=16, SHARED=shared is not None, num_warps=warps, num_stages=stages)
 
     if not fuse_reduce:
         block_h = min(1024, triton.next_power_of_2(hidden))
         _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-            y, mask, out, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h, num_warps=4)
+            y, mask, out, ids, ids_total, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h,
+            SHARED=shared is not None, num_warps=4)
     return out

@@ -3,7 +3,8 @@
 The interpreter must be switched on before any @triton.jit runs and must not leak into other test modules, so the
 checks run in one subprocess: this file run as a script (`python tests/test_kernels_moe_attn.py`) with
 TRITON_INTERPRET=1 set by the fixture; it prints one JSON line {case: relative error or an error message}.
-Shapes are tiny and ragged: MoE E=8, top-2, H=32, I=16, some token_mask rows False; attention B=3 with query
+Shapes are tiny and ragged: MoE E=8, top-2, H=32, I=16, some token_mask rows False (the shared expert as expert
+id E: I_s = 16, 48 or 8); attention B=3 with query
 lengths {1, 5, 17}, context lengths {0, 7, 30}, page size 4, shuffled (non-contiguous) pages, GQA 2.
 """
 
@@ -26,9 +27,13 @@ CASES = [
     "router_logits_routing",
     "route_renorm", "route_plain", "route_bias_half_out", "distinct_experts", "distinct_experts_masked",
     "expert_counts_masked", "distinct_experts_int_or_strided_mask",
-    "align_mask", "align_all_masked", "align_one_expert_many_blocks",
+    "align_mask", "align_all_masked", "align_one_expert_many_blocks", "align_shared_mask", "align_shared_hot",
     "moe_plain", "moe_mask", "moe_one_token", "moe_block32", "moe_all_masked", "moe_hot_expert",
     "moe_unfused", "moe_mask_unfused", "moe_hot_unfused", "moe_align_fused_reduce_separate", "moe_counters_reset",
+    "route_shared", "route_shared_half_out", "expert_counts_strided_ids",
+    "moe_shared_plain", "moe_shared_mask", "moe_shared_one_token", "moe_shared_wider", "moe_shared_narrower",
+    "moe_shared_hot", "moe_shared_unfused", "moe_shared_block32_wider", "moe_shared_fused_reduce",
+    "moe_shared_all_masked",
     "write_kv",
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
@@ -186,16 +191,22 @@ def _checks() -> dict:
     checks["distinct_experts_masked"] = lambda: distinct_case(True)
 
     # ---- align (the device-side grouping): same blocks as the reference, masked assignments in none
-    def align_case(n, mask, block_m, hot=None):
+    def align_case(n, mask, block_m, hot=None, shared=False):
         ids = torch.stack([torch.randperm(E)[:K] for _ in range(n)])  # [n, K] distinct experts per token
         if hot is not None:
             ids[:, 0] = hot
-        flat = ids.reshape(-1)
-        s, be, nb, _ = moe_align_triton(flat, mask, E, K, block_m)
-        s_ref, be_ref, nb_ref, _ = moe_align_ref(flat, mask, E, K, block_m)
+        if shared:  # slot K: the shared expert, id E of E + 1 (kept for masked tokens)
+            ids = torch.cat([ids, torch.full((n, 1), E)], dim=1)
+        flat, e_tot, k_tot = ids.reshape(-1), E + shared, K + shared
+        s, be, nb, _ = moe_align_triton(flat, mask, e_tot, k_tot, block_m, shared)
+        s_ref, be_ref, nb_ref, _ = moe_align_ref(flat, mask, e_tot, k_tot, block_m, shared)
         if int(nb) != int(nb_ref):
             return f"num_blocks {int(nb)} != {int(nb_ref)}"
         rows = int(nb) * block_m
+        keep = torch.ones(n, dtype=torch.bool) if mask is None else mask
+        want = sorted(a for a in range(n * k_tot) if keep[a // k_tot] or (shared and a % k_tot == K))
+        if sorted(int(a) for a in s[:rows] if a < n * k_tot) != want:  # each kept assignment once (+ shared slots)
+            return "kept assignments differ"
         if not torch.equal(be[: int(nb)], be_ref[: int(nb)]):
             return "block experts differ"
         for b in range(int(nb)):  # rows inside one expert may come in any order
@@ -210,6 +221,8 @@ def _checks() -> dict:
     checks["align_mask"] = lambda: align_case(13, mask13, 16)
     checks["align_all_masked"] = lambda: align_case(5, torch.zeros(5, dtype=torch.bool), 16)
     checks["align_one_expert_many_blocks"] = lambda: align_case(40, None, 16, hot=3)
+    checks["align_shared_mask"] = lambda: align_case(13, mask13, 16, shared=True)
+    checks["align_shared_hot"] = lambda: align_case(40, None, 16, hot=3, shared=True)
 
     # ---- fused MoE
     w_gu = torch.randn(E, 2 * I, H) / H ** 0.5
@@ -252,6 +265,67 @@ def _checks() -> dict:
         return max(errs)
 
     checks["moe_counters_reset"] = counters_case
+
+    # ---- the shared expert as expert id E (route(..., shared=True) slot k, fused_moe(..., shared=...))
+    def route_shared_case(out_dtype=None):
+        logits, bias = torch.randn(13, E + 1) * 2, torch.randn(E)
+        w, ids = route_triton(logits, K, True, out_dtype, bias, shared=True)
+        w_ref, ids_ref = route_ref(logits, K, True, out_dtype, bias, shared=True)
+        w_routed, ids_routed = route_ref(logits[:, :E], K, True, out_dtype, bias)  # the routed slots as today
+        if ids.shape != (13, K + 1) or not torch.equal(ids, ids_ref) or not torch.equal(ids[:, :K], ids_routed):
+            return "expert ids differ"
+        if not (ids[:, K] == E).all() or w.dtype != (out_dtype or torch.float32):
+            return "shared slot id or dtype wrong"
+        gate = torch.sigmoid(logits[:, E]).to(w.dtype)
+        return max(_rel(w.float(), w_ref.float()), _rel(w[:, :K].float(), w_routed.float()),
+                   _rel(w[:, K].float(), gate.float()))
+
+    checks["route_shared"] = route_shared_case
+    checks["route_shared_half_out"] = lambda: route_shared_case(torch.float16)
+
+    def counts_strided_case():  # the routed columns of [N, k + 1] read in place (a strided view, no copy)
+        from kernels.moe import expert_counts_ref
+        from kernels.moe_triton import expert_counts_triton
+        full = torch.cat([torch.randint(0, 40, (37, 3)), torch.full((37, 1), 40)], dim=1)
+        ids, mask = full[:, :3], torch.rand(37) < 0.6
+        (d, c), (d_ref, c_ref) = expert_counts_triton(ids, mask, 40), expert_counts_ref(ids.contiguous(), mask, 40)
+        if not torch.equal(c, c_ref) or int(d) != int(d_ref) or int(c.sum()) != int(mask.sum()) * 3:
+            return "counts or distinct differ"
+        return 0.0
+
+    checks["expert_counts_strided_ids"] = counts_strided_case
+
+    def moe_shared_case(n, mask=None, config=None, hot=None, inter_s=I):
+        import torch.nn.functional as F
+        x = torch.randn(n, H)
+        logits = torch.randn(n, E + 1)
+        if hot is not None:
+            logits[:, hot] += 10.0
+        w, ids = route_ref(logits, K, True, shared=True)  # [n, K + 1], slot K = (E, sigmoid)
+        ws = (torch.randn(2 * inter_s, H) / H ** 0.5, torch.randn(H, inter_s) / inter_s ** 0.5)
+        out = fused_moe_triton(x, w_gu, w_dn, w, ids, mask, config=config, shared=ws)
+        ref = fused_moe_ref(x, w_gu, w_dn, w, ids, mask, shared=ws)
+        # the reference is the routed experts plus the gated shared MLP on every row (the model's separate
+        # computation): masked tokens get no routed work and keep the shared slot
+        gate, up = F.linear(x, ws[0]).chunk(2, dim=-1)
+        shared = w[:, K:] * F.linear(F.silu(gate) * up, ws[1])
+        sep = fused_moe_ref(x, w_gu, w_dn, w[:, :K], ids[:, :K], mask) + shared
+        if mask is not None and _rel(out[~mask], shared[~mask]) > TOL:
+            return "masked rows are not their shared slot alone"
+        return max(_rel(out, ref), _rel(ref, sep))
+
+    checks["moe_shared_plain"] = lambda: moe_shared_case(13)
+    checks["moe_shared_mask"] = lambda: moe_shared_case(13, mask13)
+    checks["moe_shared_one_token"] = lambda: moe_shared_case(1)
+    checks["moe_shared_wider"] = lambda: moe_shared_case(13, mask13, inter_s=48)  # I_s = 3 I: 2 column tiles
+    checks["moe_shared_narrower"] = lambda: moe_shared_case(13, mask13, inter_s=8)  # I_s < BLOCK_K
+    # 40 tokens: the hot expert and the shared one 3 blocks of 16 each
+    checks["moe_shared_hot"] = lambda: moe_shared_case(40, None, hot=5)
+    checks["moe_shared_unfused"] = lambda: moe_shared_case(13, mask13, config=unfused, inter_s=48)
+    checks["moe_shared_block32_wider"] = lambda: moe_shared_case(
+        13, mask13, config={"block_m": 32, "gate_up": (16, 16, 4, 2), "down": (16, 16, 4, 2)}, inter_s=40)
+    checks["moe_shared_fused_reduce"] = lambda: moe_shared_case(13, mask13, config={"fuse_reduce": True})
+    checks["moe_shared_all_masked"] = lambda: moe_shared_case(5, torch.zeros(5, dtype=torch.bool))  # shared only
 
     # ---- paged KV: B=3, q lens {1, 5, 17}, context lens {0, 7, 30}, page size 4, shuffled pages, GQA 2
     HQ, HKV, D, PS = 4, 2, 32, 4

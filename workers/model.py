@@ -8,6 +8,7 @@ workers.weights converts the other layouts on load.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,8 @@ class Linear(nn.Module):
         self.bias = _param(d_out, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # F.linear, or on the Triton path at 1..kernels.gemv.SMALL_N_MAX rows the one-launch GEMV
+        return dispatch.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -120,10 +122,11 @@ class FusedLinears:
         if x.shape[0] == 1 and len(self.sizes) > self.count:
             # one row: cuBLAS runs a GEMV, which on the unpadded width took 3.9 us against 11.6 us for the GEMM
             # it picked on the padded one (shared expert, H200, bench/NOTES.md); the first rows are contiguous
+            # (dispatch.linear: the Triton GEMV on the Triton path, which reads no padding rows either)
             real = sum(self.sizes[:self.count])
             bias = self.bias[:real] if self.bias is not None else None
-            return torch.split(F.linear(x, self.weight[:real], bias), self.sizes[:self.count], dim=-1)
-        return torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)[:self.count]
+            return torch.split(dispatch.linear(x, self.weight[:real], bias), self.sizes[:self.count], dim=-1)
+        return torch.split(dispatch.linear(x, self.weight, self.bias), self.sizes, dim=-1)[:self.count]
 
 
 class RMSNorm(nn.Module):
@@ -188,6 +191,10 @@ class Attention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer: projections, short causal conv + SiLU, gated delta rule, gated RMSNorm."""
 
+    # plain decode (at most one token per request) runs conv, gates, delta rule and gated norm as one launch
+    # (dispatch.gdn_decode); HYBRIDSPEC_GDN_DECODE_FUSED=0 (read at import) keeps the four kernels, for A/B runs
+    DECODE_FUSED = os.environ.get("HYBRIDSPEC_GDN_DECODE_FUSED", "1") != "0"
+
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -214,6 +221,8 @@ class GatedDeltaNet(nn.Module):
         S_0 and their block inputs go into `scratch[layer_index]` for the commit."""
         n = x.shape[0]
         conv_in, z, b, a = self.in_proj(x)  # one GEMM; conv_in [N, conv_dim], z [N, HV*DV], b, a [N, HV]
+        if self.DECODE_FUSED and batch.max_query_len == 1:
+            return self._decode(conv_in, z, b, a, batch, state, write, scratch, layer_index)
         mixed = dispatch.causal_conv1d(conv_in, self.conv1d.weight[:, 0, :], batch.cu_seqlens, state.conv,
                                   batch.state_slots, batch.max_query_len, write)  # [N, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -229,6 +238,23 @@ class GatedDeltaNet(nn.Module):
         o = dispatch.gated_rmsnorm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(n, self.value_dim))
 
+    def _decode(self, conv_in: Tensor, z: Tensor, b: Tensor, a: Tensor, batch: ForwardBatch, state: GDNState,
+                write: bool | Tensor, scratch: dict | None, layer_index: int) -> Tensor:
+        """`forward` for blocks of at most one token, in one launch (the same write rule; with `scratch` the
+        kernel also stores the block inputs the commit replays: a graph's plain-decode step always keeps them)."""
+        n = conv_in.shape[0]
+        neg_a = _derived(self, "_neg_a", self.A_log, lambda x: -x.float().exp())  # [HV]
+        out = dispatch.gdn_decode(conv_in, z, a, b, self.conv1d.weight[:, 0, :], neg_a, self.dt_bias,
+                                  self.norm.weight, self.eps, batch.cu_seqlens, state.conv, state.recurrent,
+                                  batch.state_slots, write_state=write, keep_inputs=scratch is not None)
+        if scratch is None:
+            return self.out_proj(out)  # [N, HV*DV]
+        o, mixed, g, beta = out
+        _, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        scratch[layer_index] = GDNScratch(conv_in, k.reshape(n, self.hk, self.dk), v.reshape(n, self.hv, self.dv),
+                                          g, beta)
+        return self.out_proj(o)
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inner: int, dtype, device):
@@ -242,7 +268,19 @@ class MLP(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """Softmax top-k router, routed experts (fused 3-D weights), shared expert with a sigmoid gate."""
+    """Softmax top-k router, routed experts (fused 3-D weights), shared expert with a sigmoid gate.
+
+    Local (non-EP) layers of up to SHARED_FUSE_MAX_N tokens run the shared expert as one more expert of the fused
+    MoE (issue 6): the router's logits over E + 1 rows (its rows and the shared gate's, a cached [E + 1, H] copy
+    of 1/E of the router's size), routing slot k = (id E, sigmoid(gate logit)), one fused_moe call for routed +
+    shared, then the residual add + next norm (`_forward_fused`). Larger steps and expert parallelism keep the
+    shared expert's own GEMMs (cuBLAS at prefill sizes; EP keeps it on the local rank). Both forms give every row
+    the same value: masked rows (padding, rejected extra tokens) get no routed work in either, and the shared
+    expert in both (in the fused one their shared slot stays: its weights are read for the batch anyway)."""
+
+    # tokens up to which the shared expert joins the fused MoE (benches vary it; HYBRIDSPEC_MOE_SHARED_MAX_N, read at
+    # import, for A/B runs without a code change: 0 keeps the shared expert's own GEMMs)
+    SHARED_FUSE_MAX_N = int(os.environ.get("HYBRIDSPEC_MOE_SHARED_MAX_N", "64"))
 
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
@@ -274,11 +312,22 @@ class SparseMoe(nn.Module):
             logits = F.linear(x.float(), _derived(self, "_gate_f32", self.gate.weight, lambda w: w.float()))
         return dispatch.route(logits, self.top_k, self.renormalize, x.dtype, self.router_bias)  # bias, cast fused
 
+    def route_shared(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, H] -> (weights [N, k + 1], ids [N, k + 1]): `route`'s k slots, then the shared expert's (id E,
+        sigmoid of its gate logit, an fp32 logit from the same kernel as the router's)."""
+        if dispatch.use_triton(x) and x.shape[0] <= ROUTER_LOGITS_MAX_N:
+            logits = dispatch.router_logits(x, self._router_shared(fp32=False))  # [N, E + 1] fp32
+        else:
+            logits = F.linear(x.float(), self._router_shared(fp32=True))
+        return dispatch.route(logits, self.top_k, self.renormalize, x.dtype, self.router_bias, shared=True)
+
     def forward(self, x: Tensor, ctx: MoEContext | None = None, residual: Tensor | None = None,
                 norm: "RMSNorm | None" = None) -> Tensor | tuple[Tensor, Tensor]:
         """routed + shared expert output [N, H]; plus `residual` when given (fused into the last kernel). With
         `norm` (and `residual`): (s, norm(s)) for s = residual + experts, the next layer's input norm in the
         same kernel."""
+        if self.ep is None and x.shape[0] <= self.SHARED_FUSE_MAX_N:
+            return self._forward_fused(x, ctx, residual, norm)
         weights, ids = self.route(x)
         if self.ep is not None:  # routed experts on their owners' ranks (all-to-all), shared expert here
             out = self.ep(self, x, weights, ids, ctx)
@@ -292,6 +341,56 @@ class SparseMoe(nn.Module):
         if norm is not None:
             return dispatch.moe_residual_rmsnorm(residual, routed, gate_logit, shared, norm.weight, norm.eps)
         return dispatch.moe_residual(residual, routed, gate_logit, shared)
+
+    def _forward_fused(self, x: Tensor, ctx: MoEContext | None, residual: Tensor | None,
+                       norm: "RMSNorm | None") -> Tensor | tuple[Tensor, Tensor]:
+        """`forward` with the shared expert as expert id E of the fused MoE: router logits, route, the expert
+        launches, then the residual add (+ norm). The router correction and the routing statistics see the k
+        routed slots only."""
+        weights, ids = self.route_shared(x)  # [N, k + 1]
+        num_experts = self.experts.gate_up_proj.shape[0]
+        token_mask = ctx.mask_for(ids[:, :self.top_k], num_experts) if ctx is not None else None
+        out = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask,
+                                 shared=self.shared_weights())
+        if residual is None:
+            return out
+        if norm is not None:
+            return dispatch.add_rmsnorm(residual, out, norm.weight, norm.eps)
+        return residual + out
+
+    def _router_shared(self, fp32: bool) -> Tensor:
+        """The router's rows and the shared expert's gate row as one [E + 1, H] weight (in fp32 with `fp32`), made
+        once and kept until either source changes (new storage or an in-place write, e.g. a weight load)."""
+        gate, sgate = self.gate.weight, self.shared_expert_gate.weight
+        key = (gate.data_ptr(), gate._version, sgate.data_ptr(), sgate._version, gate.dtype, gate.device)
+        name = "_router_shared_f32" if fp32 else "_router_shared_w"
+        cached = self.__dict__.get(name)
+        if cached is None or cached[0] != key:
+            w = torch.cat([gate, sgate.to(gate.dtype)])
+            cached = (key, w.float() if fp32 else w)
+            self.__dict__[name] = cached
+        return cached[1]
+
+    def shared_weights(self) -> tuple[Tensor, Tensor]:
+        """The shared expert as fused_moe's `shared`: (gate rows then up rows [2I_s, H], down [H, I_s]). The gate
+        and up rows are adjacent in shared_in's fused weight: a view of them (no copy); else a copy made once and
+        kept until either changes."""
+        gp, up = self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight
+        down = self.shared_expert.down_proj.weight
+        key = (gp.data_ptr(), up.data_ptr(), down.data_ptr(), gp.dtype, gp.device)
+        cached = self.__dict__.get("_shared_weights")
+        adjacent = (gp.stride() == up.stride() and gp.stride(-1) == 1 and gp.shape == up.shape
+                    and up.data_ptr() == gp.data_ptr() + gp.shape[0] * gp.stride(0) * gp.element_size())
+        if adjacent:
+            if cached is None or cached[0] != key:
+                cached = (key, (gp.as_strided((2 * gp.shape[0], gp.shape[1]), gp.stride()), down))
+                self.__dict__["_shared_weights"] = cached
+            return cached[1]
+        key = key + (gp._version, up._version)
+        if cached is None or cached[0] != key:
+            cached = (key, (torch.cat([gp, up]), down))
+            self.__dict__["_shared_weights"] = cached
+        return cached[1]
 
     def _shared(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(gate logit [N, 1], ungated shared-expert output [N, H]): one GEMM for its gate/up projections and
