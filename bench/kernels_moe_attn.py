@@ -215,11 +215,14 @@ def moe_breakdown(wts: MoeWeights, n: int, routing: str) -> dict:
     gbn, gbk, gw, gs = MOE_CONFIGS[bm]["gate_up"]
     dbn, dbk, dw, ds = MOE_CONFIGS[bm]["down"]
     e_p2 = triton.next_power_of_2(E + 1)
+    # routing statistics (issue 7): written by the grouping (align kernel, or the gate/up kernel's program (0, 0))
+    st_d, st_c = torch.empty((), device=DEV, dtype=torch.int64), torch.empty(E, device=DEV, dtype=torch.int64)
 
-    def gate_up(i, fused):
+    def gate_up(i, fused, stats=False):
         dst = (sids2, bexp2, nblk2) if fused else (sids, bexp, nblk)
+        st = (st_d, st_c, 2) if stats else (st_d, st_d, 0)
         return lambda: MT._moe_gate_up_kernel[(max_blocks, triton.cdiv(INTER, gbn))](
-            xs[i % layers], wts.gu[i % layers], wts.gu[i % layers], h, *dst, flat, sids, nk, E, HID, INTER, INTER,
+            xs[i % layers], wts.gu[i % layers], wts.gu[i % layers], h, *dst, flat, sids, *st, nk, E, HID, INTER, INTER,
             xs[0].stride(0), wts.gu[0].stride(0), wts.gu[0].stride(1), wts.gu[0].stride(1), h.stride(0),
             TOP_K=TOPK, BLOCK_M=bm, BLOCK_N=gbn, BLOCK_K=gbk, FUSED_ALIGN=fused, HAS_MASK=False, E_P2=e_p2,
             NK_P2=triton.next_power_of_2(nk), SHARED=False, num_warps=gw, num_stages=gs)
@@ -236,8 +239,11 @@ def moe_breakdown(wts: MoeWeights, n: int, routing: str) -> dict:
            "floor_gate_up_us": experts * 2 * INTER * HID * 2 / BW * 1e6,
            "floor_down_us": experts * INTER * HID * 2 / BW * 1e6}
     row["align_us"] = graph_time([lambda: MT.moe_align_triton(flat, None, E, TOPK, bm)] * 8)
+    row["align_stats_us"] = graph_time([lambda: MT.moe_align_triton(flat, None, E, TOPK, bm, stats=(st_d, st_c))] * 8)
+    row["stats_kernel_us"] = graph_time([lambda: MT.expert_counts_triton(ids, None, E)] * 8)  # the separate one
     row["gate_up_us"] = graph_time([gate_up(i, False) for i in range(8)])
     row["gate_up_fused_align_us"] = graph_time([gate_up(i, True) for i in range(8)])
+    row["gate_up_fused_align_stats_us"] = graph_time([gate_up(i, True, stats=True) for i in range(8)])
     row["down_us"] = graph_time([down(i) for i in range(8)])
     row["reduce_us"] = graph_time([lambda: MT._moe_reduce_kernel[(n, triton.cdiv(HID, 1024))](
         y, sids, out, flat, E, HID, TOP_K=TOPK, HAS_MASK=False, BLOCK_H=1024, SHARED=False, num_warps=4)] * 8)

@@ -117,14 +117,17 @@ def distinct_experts(topk_ids, token_mask, num_experts):
     return distinct_experts_ref(topk_ids, token_mask, num_experts)
 
 
-def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None, shared=None):
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None, shared=None, stats=None):
     """Routed experts of all tokens of a step (kernels.moe.fused_moe_ref): [N, H]; masked rows cost nothing.
-    `shared` (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E is the shared expert, in the same launches."""
+    `shared` (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E is the shared expert, in the same launches.
+    `stats` (distinct_out [] int64, counts_out [E] int64 or None): the routing statistics (expert_counts of the
+    routed slots of unmasked tokens) written by the grouping, no launch of their own."""
     from kernels.moe import fused_moe_ref
     if use_triton(x):
         from kernels.moe_triton import fused_moe_triton
-        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared=shared)
-    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared)
+        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared=shared,
+                                stats=stats)
+    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared, stats)
 
 
 def write_kv(k, v, k_cache, v_cache, page_table, positions, request_of_row):

@@ -57,15 +57,26 @@ def fused_moe_ref(
     topk_ids: Tensor,  # [N, k] int64
     token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
     shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
+    stats: tuple[Tensor, Tensor | None] | None = None,  # out: (distinct [] int64, counts [E] int64 or None)
 ) -> Tensor:
     """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
 
     With `shared`, id E (= w_gate_up.shape[0]) is the shared expert (its own weights, I_s may differ from I):
     route_ref(..., shared=True) gives each token that slot with weight sigmoid(gate logit). A masked token gets no
     routed work but keeps its shared slot: the layer's output on every row is that of the routed MoE plus the gated
-    shared expert computed apart (which runs on every row; the shared weights are read for the batch anyway)."""
+    shared expert computed apart (which runs on every row; the shared weights are read for the batch anyway).
+
+    `stats` (distinct_out [] int64, counts_out [E] int64 or None), the caller's buffers: filled with the step's
+    routing statistics, expert_counts_ref of the routed slots (the first k, without the shared one) of the
+    unmasked tokens (the Triton version writes them from its grouping, no launch of their own)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
+    if stats is not None:
+        routed_ids = topk_ids[:, :top_k - 1] if shared is not None else topk_ids
+        distinct, counts = expert_counts_ref(routed_ids, token_mask, num_experts)
+        stats[0].copy_(distinct.reshape(stats[0].shape))
+        if stats[1] is not None:
+            stats[1].copy_(counts)
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)  # [N*k]
     if token_mask is not None:

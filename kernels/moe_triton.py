@@ -11,7 +11,9 @@ CUDA graph (every grid is sized from shapes only, with an upper bound on the wor
    Outputs: sorted_ids [max_rows] (assignment index n*k + j, or the sentinel N*k), block_expert [max_blocks],
    num_blocks [1]. max_blocks = cdiv(N*k, BLOCK_M) + min(E, N*k) bounds sum_e ceil(count_e / BLOCK_M).
    For small N*k (FUSE_ALIGN_MAX_NK) this step runs inside the gate/up kernel instead (`_block_rows`: every
-   program finds its own block's rows; one launch fewer).
+   program finds its own block's rows; one launch fewer). The grouping's histogram is the step's routing
+   statistics (`stats=` of fused_moe_triton: distinct routed experts, assignments per expert, of unmasked tokens):
+   one program writes them (the align kernel's, or program (0, 0) of the gate/up kernel), no launch of their own.
 2. `_moe_gate_up_kernel`: grouped GEMM, one program per (block, BLOCK_N columns of I): gathers its rows of x,
    reads the expert's gate and up rows once, writes silu(gate) * up [max_rows, I].
 3. `_moe_down_kernel`: grouped GEMM over the down weights, times the routing weight, written to the
@@ -257,7 +259,20 @@ def expert_counts_triton(topk_ids: Tensor, token_mask: Tensor | None, num_expert
 # ---------------------------------------------------------------------------------------------------------------
 # 1. align: group assignments by expert into padded blocks (one program, no host sync)
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
+@triton.jit
+def _store_stats(counts, bins, E, distinct_ptr, counts_ptr, STATS, SHARED: tl.constexpr):
+    """The step's routing statistics from the grouping's histogram (`counts` [E_P2] of the kept assignments:
+    masked tokens' routed slots in no bin): distinct routed experts touched (int64 scalar) and, with STATS == 2,
+    the count per routed expert (int64 [E_routed]). With SHARED the last id (E - 1) is the shared expert, not
+    counted (a masked token keeps its shared slot)."""
+    e_routed = E - 1 if SHARED else E
+    routed = bins < e_routed
+    tl.store(distinct_ptr, tl.sum((routed & (counts > 0)).to(tl.int64), axis=0))
+    tl.store(counts_ptr + bins, counts.to(tl.int64), mask=routed & (STATS > 1))
+
+
+# NK varies every step, STATS (and the statistics' buffers) with the policy: one compile for all
+@triton.jit(do_not_specialize=["NK", "STATS", "distinct_ptr", "counts_ptr"])
 def _moe_align_kernel(
     topk_ids_ptr,  # [N*K] expert of each assignment (int64 or int32)
     mask_ptr,  # [N] token mask (int8) or a dummy when HAS_MASK is False
@@ -265,8 +280,11 @@ def _moe_align_kernel(
     block_expert_ptr,  # [max_blocks] int32 out: expert of each block (only blocks < num_blocks are written)
     num_blocks_ptr,  # [1] int32 out
     cursor_ptr,  # [E_P2] int32 scratch
+    distinct_ptr,  # [] int64 out (STATS >= 1): routed experts the kept assignments touch
+    counts_ptr,  # [E_routed] int64 out (STATS == 2): kept assignments per routed expert
     NK,
     E,
+    STATS,  # routing statistics: 0 none, 1 distinct experts, 2 distinct experts and per-expert counts
     TOP_K: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -281,6 +299,8 @@ def _moe_align_kernel(
         counts += tl.histogram(_kept_ids(topk_ids_ptr, mask_ptr, start + tl.arange(0, CHUNK), NK, E, TOP_K, HAS_MASK,
                                          SHARED), E_P2)
     counts = tl.where(bins < E, counts, 0)
+    if STATS > 0:
+        _store_stats(counts, bins, E, distinct_ptr, counts_ptr, STATS, SHARED)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M  # [E_P2]
     blk_end = tl.cumsum(nblk, axis=0)
     row_start = (blk_end - nblk) * BLOCK_M  # first row of each expert's blocks
@@ -309,8 +329,8 @@ def _moe_align_kernel(
 @triton.jit
 def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr,
                 BLOCK_M: tl.constexpr, E_P2: tl.constexpr, NK_P2: tl.constexpr, SHARED: tl.constexpr):
-    """(expert of block pid_m, its BLOCK_M assignment indices (NK = padding), number of blocks), in the order of
-    moe_align_ref (ascending assignment index inside an expert)."""
+    """(expert of block pid_m, its BLOCK_M assignment indices (NK = padding), number of blocks, kept assignments
+    per expert [E_P2]), in the order of moe_align_ref (ascending assignment index inside an expert)."""
     offs = tl.arange(0, NK_P2)
     ids = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK, SHARED)
     bins = tl.arange(0, E_P2)
@@ -326,7 +346,7 @@ def _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K: tl.constexpr, HAS_M
     hit = member[None, :] & (rank[None, :] == want[:, None])  # [BM, NK_P2]
     aid = tl.max(tl.where(hit, offs[None, :], -1), axis=1)
     aid = tl.where(aid >= 0, aid, NK)
-    return expert, aid, total
+    return expert, aid, total, counts
 
 
 @triton.jit
@@ -347,7 +367,8 @@ def _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stri
 # ---------------------------------------------------------------------------------------------------------------
 # 2. gate/up grouped GEMM with SiLU * up fused
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
+# NK varies every step, STATS (and the statistics' buffers) with the policy: one compile for all
+@triton.jit(do_not_specialize=["NK", "STATS", "distinct_ptr", "counts_ptr"])
 def _moe_gate_up_kernel(
     x_ptr,  # [N, H]
     w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (with SHARED: the E - 1 routed experts)
@@ -358,6 +379,9 @@ def _moe_gate_up_kernel(
     num_blocks_ptr,  # [1] int32 (in, or out when FUSED_ALIGN)
     topk_ids_ptr,  # [N*K] (FUSED_ALIGN only)
     mask_ptr,  # [N] int8 (FUSED_ALIGN with HAS_MASK only)
+    distinct_ptr,  # [] int64 out (FUSED_ALIGN with STATS >= 1, by program (0, 0))
+    counts_ptr,  # [E_routed] int64 out (FUSED_ALIGN with STATS == 2, by program (0, 0))
+    STATS,  # routing statistics (FUSED_ALIGN only; else the align kernel's): 0 none, 1 distinct, 2 and counts
     NK,
     E,  # expert ids 0..E-1 (the shared expert's included)
     H,
@@ -382,10 +406,12 @@ def _moe_gate_up_kernel(
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if FUSED_ALIGN:
-        expert32, aid, total = _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K, HAS_MASK, BLOCK_M, E_P2,
-                                           NK_P2, SHARED)
+        expert32, aid, total, counts = _block_rows(topk_ids_ptr, mask_ptr, pid_m, NK, E, TOP_K, HAS_MASK, BLOCK_M,
+                                                   E_P2, NK_P2, SHARED)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(num_blocks_ptr, total)
+            if STATS > 0:
+                _store_stats(counts, tl.arange(0, E_P2), E, distinct_ptr, counts_ptr, STATS, SHARED)
         if pid_m >= total:
             return
         if pid_n == 0:  # publish the grouping for the down kernel
@@ -548,6 +574,40 @@ def _moe_reduce_kernel(
     tl.store(out_ptr + tok * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
 
 
+_stats_dummies: dict = {}
+
+
+def _stats_args(stats: tuple[Tensor, Tensor | None] | None, num_routed: int,
+                device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """(distinct buffer, counts buffer, STATS flag) for the grouping kernels from fused_moe's `stats`. Without
+    statistics both pointers are one int64 tensor per device that is never written (kept for the process: a
+    captured graph holds its address)."""
+    if stats is None:
+        dummy = _stats_dummies.get(device)
+        if dummy is None:
+            dummy = _stats_dummies[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        return dummy, dummy, 0
+    distinct, counts = stats
+    if distinct.dtype != torch.int64 or distinct.numel() != 1 or distinct.device != device:
+        raise ValueError(f"stats: distinct_out must be one int64 element on {device}, got {distinct.dtype} "
+                         f"{tuple(distinct.shape)} on {distinct.device}")
+    if counts is None:
+        return distinct, distinct, 1
+    if counts.dtype != torch.int64 or counts.shape != (num_routed,) or not counts.is_contiguous() \
+            or counts.device != device:
+        raise ValueError(f"stats: counts_out must be a contiguous int64 [{num_routed}] on {device}, got "
+                         f"{counts.dtype} {tuple(counts.shape)} on {counts.device}")
+    return distinct, counts, 2
+
+
+def _zero_stats(stats: tuple[Tensor, Tensor | None] | None) -> None:
+    """Statistics of a step without assignments (no grouping kernel runs)."""
+    if stats is not None:
+        for t in stats:
+            if t is not None:
+                t.zero_()
+
+
 def moe_align_triton(
     flat_ids: Tensor,  # [N*k] expert of each assignment (token n's j-th expert at n*k + j)
     token_mask: Tensor | None,  # [N] bool or None
@@ -555,13 +615,16 @@ def moe_align_triton(
     top_k: int,
     block_m: int,
     shared: bool = False,  # id num_experts - 1 is the shared expert: a masked token keeps that slot
+    stats: tuple[Tensor, Tensor | None] | None = None,  # (distinct [] int64, counts [E_routed] int64 or None) out
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Group assignments by expert into blocks of block_m rows, on the device.
 
     Returns sorted_ids [max_rows] int32 (assignment index, N*k on padding rows), block_expert [max_blocks] int32
     (valid for blocks < num_blocks), num_blocks [1] int32, and the int8 token mask passed to the kernels
     (or a dummy tensor). max_blocks = cdiv(N*k, block_m) + min(E, N*k), max_rows = max_blocks * block_m.
-    Rows past num_blocks * block_m are left unwritten. Within an expert, rows come in any order."""
+    Rows past num_blocks * block_m are left unwritten. Within an expert, rows come in any order.
+    `stats`: the same program writes the routing statistics of its histogram (kernels.moe.expert_counts_ref of
+    the routed ids 0..E_routed-1 of unmasked tokens; E_routed = num_experts - 1 with `shared`)."""
     nk = flat_ids.numel()
     dev = flat_ids.device
     max_blocks = triton.cdiv(nk, block_m) + min(num_experts, nk)
@@ -575,9 +638,10 @@ def moe_align_triton(
     has_mask = token_mask is not None
     mask = _mask_i8(token_mask) if has_mask else work
     chunk = 128 if nk <= 128 else 1024  # two compiled variants, not one per power of two of NK
-    _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, nk, num_experts,
-                            TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk,
-                            SHARED=bool(shared), num_warps=4 if chunk <= 256 else 8)
+    distinct, counts, flag = _stats_args(stats, num_experts - 1 if shared else num_experts, dev)
+    _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, distinct, counts, nk,
+                            num_experts, flag, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2,
+                            CHUNK=chunk, SHARED=bool(shared), num_warps=4 if chunk <= 256 else 8)
     return sorted_ids, block_expert, num_blocks, mask
 
 
@@ -653,6 +717,7 @@ def fused_moe_triton(
     token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
     config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
     shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
+    stats: tuple[Tensor, Tensor | None] | None = None,  # out: (distinct [] int64, counts [E] int64 or None)
 ) -> Tensor:
     """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
 
@@ -661,13 +726,20 @@ def fused_moe_triton(
     tiles past an expert's width exit at once, its down product runs over its own width), grouped, weighted and
     reduced with the routed slots: the shared expert costs no launch of its own. A masked token keeps its shared
     slot (fused_moe_ref). Tiles and the in-kernel grouping threshold follow the routed assignments (N * (k - 1)
-    with the shared slot), as without it."""
+    with the shared slot), as without it.
+
+    `stats` (the caller's buffers): the grouping also writes the step's routing statistics (expert_counts_ref of
+    the routed slots of unmasked tokens: the distinct experts 0..E-1 they touch and, unless counts is None, their
+    count per expert) from the histogram it computes anyway: program (0, 0) of the gate/up kernel where the
+    grouping runs inside it, else the align kernel's one program; no launch of their own (a runtime flag, not a
+    constexpr: no extra compiles)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w_gate_up.shape
     inter = two_i // 2
     dev = x.device
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
     if num_tokens == 0:
+        _zero_stats(stats)
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
@@ -705,16 +777,19 @@ def fused_moe_triton(
         block_expert = work[max_rows : max_rows + max_blocks]
         num_blocks = work[max_rows + max_blocks :]
         mask = _mask_i8(token_mask) if has_mask else work
+        stats_distinct, stats_counts, stats_flag = _stats_args(stats, num_experts, dev)
     else:
         sorted_ids, block_expert, num_blocks, mask = moe_align_triton(ids, token_mask, ids_total, top_k, block_m,
-                                                                      shared is not None)
+                                                                      shared is not None, stats)
+        stats_distinct, stats_counts, stats_flag = _stats_args(None, num_experts, dev)  # written by the align
 
     h = torch.empty(max_rows, inter_max, dtype=x.dtype, device=dev)  # [max_rows, max(I, I_s)]
     bn, bk, warps, stages = tiles["gate_up"]
     bk = min(bk, max(16, triton.next_power_of_2(hidden)))
     _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter_max, bn))](
-        x, w_gate_up, ws_gu, h, sorted_ids, block_expert, num_blocks, ids, mask, nk, ids_total, hidden, inter,
-        inter_s, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws_gu.stride(0), h.stride(0),
+        x, w_gate_up, ws_gu, h, sorted_ids, block_expert, num_blocks, ids, mask, stats_distinct, stats_counts,
+        stats_flag, nk, ids_total, hidden, inter, inter_s, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        ws_gu.stride(0), h.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FUSED_ALIGN=fuse_align, HAS_MASK=has_mask,
         E_P2=e_p2, NK_P2=triton.next_power_of_2(max(nk, FUSE_ALIGN_MAX_NK)) if fuse_align else 1,
         SHARED=shared is not None, num_warps=warps, num_stages=stages)

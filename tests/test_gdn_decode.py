@@ -271,11 +271,11 @@ def test_bench_script_runs_tiny(tmp_path):
 
     out = tmp_path / "gdn_decode.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_gdn_decode.py"), "--tiny", "--batches", "2",
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_gdn_decode.py"), "--tiny", "--batches", "1",
                     "--layers", "1", "--out", str(out)], check=True, cwd=ROOT, env=env, capture_output=True,
                    timeout=600)
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["B"] == 2 and row["counters_zero"] and row["chain"] > 0
+    assert row["B"] == 1 and row["counters_zero"] and row["chain"] > 0
     for name, err in row["errors"].items():
         assert "failed" not in err and err["o_max_rel"] < 1e-5 and err["conv_state_diff"] == 0, (name, err)
         assert row[name] > 0, name

@@ -34,6 +34,12 @@ CASES = [
     "moe_shared_plain", "moe_shared_mask", "moe_shared_one_token", "moe_shared_wider", "moe_shared_narrower",
     "moe_shared_hot", "moe_shared_unfused", "moe_shared_block32_wider", "moe_shared_fused_reduce",
     "moe_shared_all_masked",
+    "moe_stats_fused_align", "moe_stats_fused_align_mask", "moe_stats_align", "moe_stats_align_mask",
+    "moe_stats_shared_fused_align_mask", "moe_stats_shared_align_mask", "moe_stats_shared_fused_align",
+    "moe_stats_hot_fused_align", "moe_stats_hot_align", "moe_stats_shared_hot_align_mask",
+    "moe_stats_all_masked", "moe_stats_shared_all_masked", "moe_stats_shared_all_masked_align",
+    "moe_stats_distinct_only", "moe_stats_distinct_only_align", "moe_stats_default_routing",
+    "moe_stats_no_tokens", "moe_stats_block32", "moe_stats_bad_buffers",
     "write_kv",
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
@@ -326,6 +332,112 @@ def _checks() -> dict:
         13, mask13, config={"block_m": 32, "gate_up": (16, 16, 4, 2), "down": (16, 16, 4, 2)}, inter_s=40)
     checks["moe_shared_fused_reduce"] = lambda: moe_shared_case(13, mask13, config={"fuse_reduce": True})
     checks["moe_shared_all_masked"] = lambda: moe_shared_case(5, torch.zeros(5, dtype=torch.bool))  # shared only
+
+    # ---- routing statistics written by the grouping (fused_moe(..., stats=...)): expert_counts_ref of the routed
+    # slots ids[:, :k] of the unmasked tokens, from the gate/up kernel's own grouping (program (0, 0)) or the align
+    # kernel's; the output unchanged; every entry written (the buffers start as garbage)
+    def moe_stats_case(n, mask=None, config=None, hot=None, shared=False, counts=True, want_path=None):
+        import kernels.moe_triton as MT
+        from kernels.moe import expert_counts_ref
+
+        x = torch.randn(n, H)
+        logits = torch.randn(n, E + 1 if shared else E)
+        if hot is not None:
+            logits[:, hot] += 10.0
+        w, ids = route_ref(logits, K, True, shared=shared)
+        ws = (torch.randn(2 * I, H) / H ** 0.5, torch.randn(H, I) / I ** 0.5) if shared else None
+        launched = []
+
+        class Spy:  # which kernel wrote the statistics (the STATS flag of each grouping launch)
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    fused = kw.get("FUSED_ALIGN", True)
+                    if fused:  # (the gate/up kernel's flag matters only with the grouping inside it)
+                        launched.append((self.name, int(args[11 if self.name == "gate_up" else 10])))
+                    return self.kernel[grid](*args, **kw)
+
+                return launch
+
+        real = MT._moe_gate_up_kernel, MT._moe_align_kernel
+        MT._moe_gate_up_kernel, MT._moe_align_kernel = Spy("gate_up", real[0]), Spy("align", real[1])
+        try:
+            d_out = torch.full((), -7, dtype=torch.int64)
+            c_out = torch.full((E,), -7, dtype=torch.int64) if counts else None
+            out = fused_moe_triton(x, w_gu, w_dn, w, ids, mask, config=config, shared=ws, stats=(d_out, c_out))
+        finally:
+            MT._moe_gate_up_kernel, MT._moe_align_kernel = real
+        d_ref, c_ref = expert_counts_ref(ids[:, :K], mask, E)
+        # the reference writes the same buffers
+        d_out2 = torch.full((), -7, dtype=torch.int64)
+        c_out2 = torch.full((E,), -7, dtype=torch.int64) if counts else None
+        ref = fused_moe_ref(x, w_gu, w_dn, w, ids, mask, shared=ws, stats=(d_out2, c_out2))
+        if int(d_out) != int(d_ref) or int(d_out2) != int(d_ref):
+            return f"distinct {int(d_out)} / ref path {int(d_out2)} != {int(d_ref)}"
+        if counts and (not torch.equal(c_out, c_ref) or not torch.equal(c_out2, c_ref)):
+            return f"counts {c_out.tolist()} / ref path {c_out2.tolist()} != {c_ref.tolist()}"
+        if want_path is not None:
+            flag = 2 if counts else 1
+            writers = [name for name, f in launched if f == flag]
+            if writers != [want_path] or any(f not in (0, flag) for _, f in launched):
+                return f"statistics written by {launched}, want one {want_path} launch with flag {flag}"
+        return _rel(out, ref)
+
+    fa, sa = {"fuse_align": True}, {"fuse_align": False}
+    mask40 = torch.rand(40) < 0.6
+    checks["moe_stats_fused_align"] = lambda: moe_stats_case(13, None, fa, want_path="gate_up")
+    checks["moe_stats_fused_align_mask"] = lambda: moe_stats_case(13, mask13, fa, want_path="gate_up")
+    checks["moe_stats_align"] = lambda: moe_stats_case(13, None, sa, want_path="align")
+    checks["moe_stats_align_mask"] = lambda: moe_stats_case(13, mask13, sa, want_path="align")
+    checks["moe_stats_shared_fused_align_mask"] = lambda: moe_stats_case(13, mask13, fa, shared=True,
+                                                                         want_path="gate_up")
+    checks["moe_stats_shared_align_mask"] = lambda: moe_stats_case(13, mask13, sa, shared=True, want_path="align")
+    checks["moe_stats_shared_fused_align"] = lambda: moe_stats_case(7, None, fa, shared=True, want_path="gate_up")
+    # one expert in every token's slots: 40 of one expert (3 blocks of 16), NK_P2 = 128 inside gate/up
+    checks["moe_stats_hot_fused_align"] = lambda: moe_stats_case(40, None, fa, hot=5, want_path="gate_up")
+    checks["moe_stats_hot_align"] = lambda: moe_stats_case(40, mask40, sa, hot=5, want_path="align")
+    checks["moe_stats_shared_hot_align_mask"] = lambda: moe_stats_case(40, mask40, sa, hot=2, shared=True,
+                                                                       want_path="align")
+    zeros5 = torch.zeros(5, dtype=torch.bool)
+    checks["moe_stats_all_masked"] = lambda: moe_stats_case(5, zeros5, fa, want_path="gate_up")
+    checks["moe_stats_shared_all_masked"] = lambda: moe_stats_case(5, zeros5, fa, shared=True, want_path="gate_up")
+    checks["moe_stats_shared_all_masked_align"] = lambda: moe_stats_case(5, zeros5, sa, shared=True,
+                                                                         want_path="align")
+    checks["moe_stats_distinct_only"] = lambda: moe_stats_case(13, mask13, fa, shared=True, counts=False,
+                                                               want_path="gate_up")
+    checks["moe_stats_distinct_only_align"] = lambda: moe_stats_case(13, mask13, sa, counts=False, want_path="align")
+    # no config: the grouping's own threshold (FUSE_ALIGN_MAX_NK routed assignments) picks the path
+    checks["moe_stats_default_routing"] = lambda: max(moe_stats_case(3, None, None, shared=True, want_path="gate_up"),
+                                                      moe_stats_case(30, mask40[:30], None, shared=True,
+                                                                     want_path="align"))
+    checks["moe_stats_block32"] = lambda: moe_stats_case(
+        13, mask13, {"block_m": 32, "gate_up": (16, 16, 4, 2), "down": (16, 16, 4, 2), "fuse_align": True},
+        shared=True, want_path="gate_up")
+
+    def stats_no_tokens_case():  # no assignments: no grouping runs, the statistics are zeros
+        d, c = torch.full((), -7, dtype=torch.int64), torch.full((E,), -7, dtype=torch.int64)
+        w, ids = route_ref(torch.randn(0, E), K, True)
+        fused_moe_triton(torch.randn(0, H), w_gu, w_dn, w, ids, None, stats=(d, c))
+        return 0.0 if int(d) == 0 and int(c.abs().sum()) == 0 else f"{int(d)} {c.tolist()}"
+
+    checks["moe_stats_no_tokens"] = stats_no_tokens_case
+
+    def stats_bad_buffers_case():  # wrong dtype / shape: a named error, not a kernel writing past a buffer
+        w, ids = route_ref(torch.randn(3, E), K, True)
+        bad = [(torch.zeros((), dtype=torch.int32), None), (torch.zeros((), dtype=torch.int64), torch.zeros(E + 1)),
+               (torch.zeros((), dtype=torch.int64), torch.zeros(E + 1, dtype=torch.int64)),
+               (torch.zeros(2, dtype=torch.int64), None)]
+        for stats in bad:
+            try:
+                fused_moe_triton(torch.randn(3, H), w_gu, w_dn, w, ids, None, stats=stats)
+            except ValueError:
+                continue
+            return f"no error for {[(t.dtype, tuple(t.shape)) for t in stats if t is not None]}"
+        return 0.0
+
+    checks["moe_stats_bad_buffers"] = stats_bad_buffers_case
 
     # ---- paged KV: B=3, q lens {1, 5, 17}, context lens {0, 7, 30}, page size 4, shuffled pages, GQA 2
     HQ, HKV, D, PS = 4, 2, 32, 4

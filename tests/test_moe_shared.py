@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interp import run_cases, run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
+from interp import assert_case, run_cases, run_interpreted  # noqa: E402  (tests/ is on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,12 +117,14 @@ def test_sparse_moe_fused_equals_separate(inter_s, tail):
     assert shared.abs().max() > 0.1
 
 
-def test_sparse_moe_fused_with_router_correction_keeps_statistics_and_unmasked_rows():
+@pytest.mark.parametrize("fused_stats", [True, False])
+def test_sparse_moe_fused_with_router_correction_keeps_statistics_and_unmasked_rows(fused_stats, monkeypatch):
     """Extra rows / padding rows: the token mask, distinct experts and per-expert counts are those of the k routed
     slots (equal to the separate path's); every row equal, masked ones included (no routed work, the shared
-    expert's output)."""
-    from workers.model import MoEContext
+    expert's output). The statistics from fused_moe's grouping (FUSED_STATS) or the separate kernel."""
+    from workers.model import MoEContext, SparseMoe
 
+    monkeypatch.setattr(SparseMoe, "FUSED_STATS", fused_stats)
     moe, norm, cfg = tiny_moe(48)
     gen = torch.Generator().manual_seed(4)
     n = 9
@@ -231,9 +233,7 @@ def interp_results() -> dict:
 
 @pytest.mark.parametrize("case", list(INTERP_CASES))
 def test_sparse_moe_fused_on_triton_kernels_equals_separate_reference(interp_results, case):
-    result = interp_results[case]
-    assert "error" not in result, result.get("error")
-    assert all(v <= 1e-5 for v in result.values()), result
+    assert_case(interp_results, case, 1e-5)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ from workers.config import FULL_ATTENTION, ModelConfig
 class MoEContext:
     """Per-forward MoE bookkeeping. In: `extra_rows` [N] bool marks each verifying request's extra token.
     Out: `token_mask` [N] bool after the router correction at the first MoE layer (False = masked out of all
-    later expert work), and the distinct experts touched per MoE layer (device scalars)."""
+    later expert work), and the distinct experts touched per MoE layer (device scalars) and with collect_counts
+    its per-expert counts: on a local layer written by the fused MoE's grouping (`mask_and_stats`), under
+    expert parallelism by a kernel of their own (`mask_for`)."""
 
     extra_rows: Tensor | None = None
     row_mask: Tensor | None = None  # [N] bool, False = a padding row of a captured graph (never any expert work)
@@ -38,9 +40,10 @@ class MoEContext:
     # other policies' steps)
     collect_distinct: bool = True
 
-    def mask_for(self, ids: Tensor, num_experts: int) -> Tensor | None:
+    def mask_for(self, ids: Tensor, num_experts: int, stats: bool = True) -> Tensor | None:
         """One MoE layer's routing (ids [N, k]) -> the token mask its experts run with, recording what the
-        latency model learns. The first call applies the router correction (padding rows cover nothing).
+        latency model learns (`stats=False`: not here, the caller has fused_moe write them: `mask_and_stats`).
+        The first call applies the router correction (padding rows cover nothing).
         Device ops only: no host sync, so it can be captured in a CUDA graph."""
         if self.token_mask is None and (self.extra_rows is not None or self.row_mask is not None):
             if self.extra_rows is None:
@@ -51,6 +54,8 @@ class MoEContext:
                 if self.row_mask is not None:
                     self.token_mask = self.token_mask & self.row_mask
         mask = self.token_mask
+        if not stats:
+            return mask
         if self.collect_counts:  # one kernel for both statistics
             distinct, counts = dispatch.expert_counts(ids, mask, num_experts)
             self.expert_counts.append(counts)
@@ -58,6 +63,21 @@ class MoEContext:
         elif self.collect_distinct:
             self.distinct_experts.append(dispatch.distinct_experts(ids, mask, num_experts))
         return mask
+
+    def mask_and_stats(self, ids: Tensor, num_experts: int) -> tuple[Tensor | None, tuple | None]:
+        """`mask_for` without its statistics kernel: (token mask, `stats` for dispatch.fused_moe or None). The
+        statistics buffers (distinct experts [] int64, per-expert counts [E] int64 without collect_counts: None)
+        join distinct_experts / expert_counts here, in layer order as mask_for's; fused_moe's grouping fills them
+        from the histogram it computes anyway (no launch of their own, no host sync, capturable)."""
+        mask = self.mask_for(ids, num_experts, stats=False)
+        if not (self.collect_counts or self.collect_distinct):
+            return mask, None
+        distinct = torch.empty((), dtype=torch.int64, device=ids.device)
+        counts = torch.empty(num_experts, dtype=torch.int64, device=ids.device) if self.collect_counts else None
+        self.distinct_experts.append(distinct)
+        if counts is not None:
+            self.expert_counts.append(counts)
+        return mask, (distinct, counts)
 
 
 def _derived(module: nn.Module, name: str, source: Tensor, fn) -> Tensor:
@@ -281,6 +301,10 @@ class SparseMoe(nn.Module):
     # tokens up to which the shared expert joins the fused MoE (benches vary it; HYBRIDSPEC_MOE_SHARED_MAX_N, read at
     # import, for A/B runs without a code change: 0 keeps the shared expert's own GEMMs)
     SHARED_FUSE_MAX_N = int(os.environ.get("HYBRIDSPEC_MOE_SHARED_MAX_N", "64"))
+    # routing statistics (MoEContext) written by fused_moe's grouping (issue 7) instead of a kernel of their own
+    # per layer in MoEContext.mask_for; expert parallelism keeps that kernel. HYBRIDSPEC_MOE_FUSED_STATS=0 (read at
+    # import) for A/B runs: the separate kernel everywhere
+    FUSED_STATS = os.environ.get("HYBRIDSPEC_MOE_FUSED_STATS", "1") != "0"
 
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
@@ -333,8 +357,9 @@ class SparseMoe(nn.Module):
             out = self.ep(self, x, weights, ids, ctx)
             out = out if residual is None else residual + out
             return out if norm is None else (out, norm(out))
-        token_mask = ctx.mask_for(ids, self.experts.gate_up_proj.shape[0]) if ctx is not None else None
-        routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask)
+        token_mask, stats = self._mask_stats(ctx, ids, self.experts.gate_up_proj.shape[0])
+        routed = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask,
+                                    stats=stats)
         gate_logit, shared = self._shared(x)
         if residual is None:
             return routed + torch.sigmoid(gate_logit) * shared
@@ -349,14 +374,23 @@ class SparseMoe(nn.Module):
         routed slots only."""
         weights, ids = self.route_shared(x)  # [N, k + 1]
         num_experts = self.experts.gate_up_proj.shape[0]
-        token_mask = ctx.mask_for(ids[:, :self.top_k], num_experts) if ctx is not None else None
+        token_mask, stats = self._mask_stats(ctx, ids[:, :self.top_k], num_experts)
         out = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask,
-                                 shared=self.shared_weights())
+                                 shared=self.shared_weights(), stats=stats)
         if residual is None:
             return out
         if norm is not None:
             return dispatch.add_rmsnorm(residual, out, norm.weight, norm.eps)
         return residual + out
+
+    def _mask_stats(self, ctx: MoEContext | None, ids: Tensor, num_experts: int) -> tuple[Tensor | None, tuple | None]:
+        """(token mask, fused_moe's `stats`) of a local layer: the routing statistics from the MoE's own grouping
+        (FUSED_STATS), else from MoEContext.mask_for's kernel (stats None)."""
+        if ctx is None:
+            return None, None
+        if self.FUSED_STATS:
+            return ctx.mask_and_stats(ids, num_experts)
+        return ctx.mask_for(ids, num_experts), None
 
     def _router_shared(self, fp32: bool) -> Tensor:
         """The router's rows and the shared expert's gate row as one [E + 1, H] weight (in fp32 with `fp32`), made
