@@ -118,7 +118,8 @@ def distinct_experts(topk_ids, token_mask, num_experts):
 
 
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None, shared=None, stats=None):
-    """Routed experts of all tokens of a step (kernels.moe.fused_moe_ref): [N, H]; masked rows cost nothing.
+    """Routed experts of all tokens of a step (kernels.moe.fused_moe_ref): [N, H]; masked rows cost no routed expert
+    work (with `shared`, their shared slot stays).
     `shared` (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E is the shared expert, in the same launches.
     `stats` (distinct_out [] int64, counts_out [E] int64 or None): the routing statistics (expert_counts of the
     routed slots of unmasked tokens) written by the grouping, no launch of their own."""

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from kernels.gdn_decode import decode_heads
 
-# not measured yet: the bench (bench/kernels_gdn_decode.py) sweeps BV and the norm placement
+# measured on the H200 (bench/kernels_gdn_decode.py sweeps BV and the norm placement; see _auto_bv)
 DECODE_AUTO_BV = 32
 DECODE_BV = int(os.environ.get("HYBRIDSPEC_GDN_DECODE_BV", "0"))  # 0: _auto_bv
 DECODE_NORM = os.environ.get("HYBRIDSPEC_GDN_DECODE_NORM", "fused")  # "fused" (in the kernel) or "separate"
@@ -231,8 +231,12 @@ def gdn_decode_triton(
     heads_k, heads_v, dim_k, dim_v = decode_heads(x, a, state)
     x, a, b = _rows(x), _rows(a), _rows(b)
     z = _rows(z.reshape(n, heads_v * dim_v))
-    assert state.dtype == torch.float32 and state.stride(-1) == 1 and state.shape[1] == heads_v
-    assert norm_weight.shape[0] == dim_v and dim_v == triton.next_power_of_2(dim_v)
+    if state.dtype != torch.float32 or state.stride(-1) != 1 or state.shape[1] != heads_v:
+        raise ValueError(f"state must be a contiguous-rows fp32 [S, {heads_v}, DK, DV] pool, got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    if norm_weight.shape[0] != dim_v or dim_v != triton.next_power_of_2(dim_v):
+        raise ValueError(f"the value head dim must be a power of two matching norm_weight, got DV={dim_v}, "
+                         f"norm_weight {tuple(norm_weight.shape)}")
     bsz = slots.shape[0]
     bv = bv or _auto_bv(bsz, heads_v, dim_v)
     assert dim_v % bv == 0 and bv == triton.next_power_of_2(bv)

@@ -714,7 +714,7 @@ def fused_moe_triton(
     w_down: Tensor,  # [E, H, I]
     topk_weights: Tensor,  # [N, k]
     topk_ids: Tensor,  # [N, k] int64
-    token_mask: Tensor | None = None,  # [N] bool; False rows get no expert work and output 0
+    token_mask: Tensor | None = None,  # [N] bool; False rows get no routed expert work (only the shared slot)
     config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
     shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
     stats: tuple[Tensor, Tensor | None] | None = None,  # out: (distinct [] int64, counts [E] int64 or None)

@@ -301,3 +301,25 @@ def test_fused_decode_is_the_default_and_the_env_switch():
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     run_cases(CASES)
+
+
+def test_unsupported_shapes_take_the_four_kernels_or_fail_clearly():
+    """GatedDeltaNet fuses only a power-of-two value head dim with an fp32 state (else the four-kernel chain), and
+    the kernel itself names what it cannot take instead of failing inside the compiler."""
+    from kernels.gdn_decode_triton import gdn_decode_triton
+    from workers.model import _decode_fusable
+
+    assert _decode_fusable(128, torch.float32) and _decode_fusable(16, torch.float32)
+    assert not _decode_fusable(96, torch.float32) and not _decode_fusable(128, torch.bfloat16)
+    hk, hv, dk, dv, n = 1, 2, 4, 6, 1  # DV = 6: not a power of two
+    x = torch.zeros(n, 2 * hk * dk + hv * dv)
+    z, a, b = torch.zeros(n, hv * dv), torch.zeros(n, hv), torch.zeros(n, hv)
+    args = (x, z, a, b, torch.zeros(x.shape[1], 4), torch.zeros(hv), torch.zeros(hv), torch.ones(dv), 1e-6,
+            torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, x.shape[1], 3), torch.zeros(2, hv, dk, dv),
+            torch.tensor([0]))
+    with pytest.raises(ValueError, match="power of two"):
+        gdn_decode_triton(*args)
+    bad_state = list(args)
+    bad_state[11] = torch.zeros(2, hv, dk, dv, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp32"):
+        gdn_decode_triton(*bad_state)

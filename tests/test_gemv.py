@@ -195,7 +195,7 @@ def case_model():
     calls, restore = _recording()
     errs = {}
     try:
-        logits = run([5], 3)  # prefill of 3 rows (kernel calls) then one decode row
+        logits = run([5], 3)  # prefill of 3 rows (the kernel only where SMALL_N_MAX >= 3) then one decode row
         del calls[:]
         logits = run([5], 6)  # a prefill of 6 rows (> SMALL_N_MAX): no kernel; then the decode step
         decode_calls = set(calls)

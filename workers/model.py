@@ -91,6 +91,11 @@ def _derived(module: nn.Module, name: str, source: Tensor, fn) -> Tensor:
     return cached[1]
 
 
+def _decode_fusable(dim_v: int, state_dtype: torch.dtype) -> bool:
+    """The fused GDN decode kernel's shapes: a power-of-two value head dim and an fp32 state (else the four kernels)."""
+    return dim_v > 0 and dim_v & (dim_v - 1) == 0 and state_dtype == torch.float32
+
+
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -241,7 +246,7 @@ class GatedDeltaNet(nn.Module):
         S_0 and their block inputs go into `scratch[layer_index]` for the commit."""
         n = x.shape[0]
         conv_in, z, b, a = self.in_proj(x)  # one GEMM; conv_in [N, conv_dim], z [N, HV*DV], b, a [N, HV]
-        if self.DECODE_FUSED and batch.max_query_len == 1:
+        if self.DECODE_FUSED and batch.max_query_len == 1 and _decode_fusable(self.dv, state.recurrent.dtype):
             return self._decode(conv_in, z, b, a, batch, state, write, scratch, layer_index)
         mixed = dispatch.causal_conv1d(conv_in, self.conv1d.weight[:, 0, :], batch.cu_seqlens, state.conv,
                                   batch.state_slots, batch.max_query_len, write)  # [N, conv_dim]
@@ -291,8 +296,8 @@ class SparseMoe(nn.Module):
     """Softmax top-k router, routed experts (fused 3-D weights), shared expert with a sigmoid gate.
 
     Local (non-EP) layers of up to SHARED_FUSE_MAX_N tokens run the shared expert as one more expert of the fused
-    MoE (issue 6): the router's logits over E + 1 rows (its rows and the shared gate's, a cached [E + 1, H] copy
-    of 1/E of the router's size), routing slot k = (id E, sigmoid(gate logit)), one fused_moe call for routed +
+    MoE (issue 6): the router's logits over E + 1 rows (its rows and the shared gate's: a cached [E + 1, H] copy
+    of the router weight, ~1 MiB bf16 a layer at Qwen3.6-35B-A3B shapes), routing slot k = (id E, sigmoid(gate logit)), one fused_moe call for routed +
     shared, then the residual add + next norm (`_forward_fused`). Larger steps and expert parallelism keep the
     shared expert's own GEMMs (cuBLAS at prefill sizes; EP keeps it on the local rank). Both forms give every row
     the same value: masked rows (padding, rejected extra tokens) get no routed work in either, and the shared
