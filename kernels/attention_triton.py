@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from kernels.pdl import pdl_args, pdl_prologue
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -56,7 +57,9 @@ def _write_kv_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     req = tl.load(req_ptr + row).to(tl.int64)
@@ -92,7 +95,7 @@ def write_kv_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), hkv, d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4)
+        num_warps=4, **pdl_args(k.device))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,7 +139,9 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     G: tl.constexpr = H // HKV
     pid_m = tl.program_id(0)
     grid_m = tl.num_programs(0)
@@ -212,7 +217,9 @@ def _combine_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # splits per chunk (S is a runtime value: one compiled kernel for every split count)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -370,8 +377,9 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1),
         H=heads, HKV=kv_heads, D=d, BLOCK_D=block_d, TPT=p["tpt"], BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
-        PAGE_SIZE=page_size, SPLIT=splits > 1, num_warps=p["num_warps"], num_stages=p["num_stages"])
+        PAGE_SIZE=page_size, SPLIT=splits > 1, num_warps=p["num_warps"], num_stages=p["num_stages"],
+        **pdl_args(q.device))
     if splits > 1:
         _combine_kernel[(n, heads)](o_part, lse, out, n, splits, out.stride(0), out.stride(1), H=heads, D=d,
-                                    BLOCK_D=block_d, BLOCK_S=COMBINE_BLOCK_S, num_warps=4)
+                                    BLOCK_D=block_d, BLOCK_S=COMBINE_BLOCK_S, num_warps=4, **pdl_args(o_part.device))
     return out

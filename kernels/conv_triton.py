@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from kernels.pdl import pdl_args, pdl_prologue
 
 CONV_BT = 16
 CONV_BC = 256
@@ -38,7 +39,9 @@ def _causal_conv1d_kernel(
     x_ptr, w_ptr, o_ptr, cu_ptr, win_ptr, slots_ptr, wmask_ptr,
     s_xn, s_wtc, s_wtk, s_on, s_ws, s_wc, s_wk, C,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKW: tl.constexpr, WRITE: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     tb = tl.program_id(1)
     c = tl.program_id(2) * BC + tl.arange(0, BC)  # [BC]
@@ -76,7 +79,9 @@ def _causal_conv1d_kernel(
 def _conv_commit_kernel(
     x_ptr, cu_ptr, keep_ptr, win_ptr, slots_ptr, s_xn, s_ws, s_wc, s_wk, C,
     KW: tl.constexpr, BC: tl.constexpr, BKW: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = c < C
@@ -126,6 +131,7 @@ def causal_conv1d_triton(
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), num_c,
         K=kernel, BT=bt, BC=bc, BKW=max(2, triton.next_power_of_2(kernel - 1)), WRITE=write, num_warps=4,
+        **pdl_args(x.device),
     )
     return out
 
@@ -148,4 +154,5 @@ def conv_commit_triton(
         x, cu_seqlens, keep_lens, conv_state, slots, x.stride(0),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), num_c,
         KW=width, BC=CONV_BC, BKW=max(2, triton.next_power_of_2(width)), num_warps=4,
+        **pdl_args(x.device),
     )

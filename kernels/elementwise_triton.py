@@ -8,11 +8,13 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, HEADS, D, s_x0, s_x1, s_c, s_o0, s_o1,
-                 R: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr):
+                 R: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
     n, h = pid // HEADS, pid % HEADS
     cols = tl.arange(0, BD)
@@ -43,12 +45,14 @@ def rope_triton(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
         _rope_kernel[(n * heads,)](x, cos, sin, out, heads, d, x.stride(0), x.stride(1), cos.stride(0),
                                    out.stride(0), out.stride(1), R=rotary_dim, HALF=rotary_dim // 2,
                                    BD=triton.next_power_of_2(d),
-                                   num_warps=1 if d <= 128 else 2)
+                                   num_warps=1 if d <= 128 else 2, **pdl_args(x.device))
     return out
 
 
 @triton.jit
-def _gdn_gates_kernel(a_ptr, b_ptr, na_ptr, dtb_ptr, g_ptr, beta_ptr, HV, s_a, s_b, BH: tl.constexpr):
+def _gdn_gates_kernel(a_ptr, b_ptr, na_ptr, dtb_ptr, g_ptr, beta_ptr, HV, s_a, s_b, BH: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BH)
     mask = h < HV
@@ -74,12 +78,13 @@ def gdn_gates_triton(a: Tensor, b: Tensor, neg_a: Tensor, dt_bias: Tensor) -> tu
     beta = torch.empty(n, hv, dtype=b.dtype, device=b.device)
     if n:
         _gdn_gates_kernel[(n,)](a, b, neg_a, dt_bias, g, beta, hv, a.stride(0), b.stride(0),
-                                BH=triton.next_power_of_2(hv), num_warps=1)
+                                BH=triton.next_power_of_2(hv), num_warps=1, **pdl_args(a.device))
     return g, beta
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, I, s_g, s_u, s_o, BI: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, I, s_g, s_u, s_o, BI: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = cols < I
@@ -100,12 +105,14 @@ def silu_mul_triton(gate: Tensor, up: Tensor) -> Tensor:
     if n:
         bi = min(1024, triton.next_power_of_2(inner))
         _silu_mul_kernel[(n, triton.cdiv(inner, bi))](gate, up, out, inner, gate.stride(0), up.stride(0),
-                                                       out.stride(0), BI=bi, num_warps=4)
+                                                       out.stride(0), BI=bi, num_warps=4, **pdl_args(gate.device))
     return out
 
 
 @triton.jit
-def _moe_residual_kernel(x_ptr, r_ptr, gl_ptr, s_ptr, o_ptr, H, s_x, s_r, s_gl, s_s, s_o, BH: tl.constexpr):
+def _moe_residual_kernel(x_ptr, r_ptr, gl_ptr, s_ptr, o_ptr, H, s_x, s_r, s_gl, s_s, s_o, BH: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     mask = cols < H
@@ -128,5 +135,5 @@ def moe_residual_triton(x: Tensor, routed: Tensor, gate_logit: Tensor, shared: T
         bh = min(1024, triton.next_power_of_2(h))
         _moe_residual_kernel[(n, triton.cdiv(h, bh))](x, routed, gate_logit, shared, out, h, x.stride(0),
                                                       routed.stride(0), gate_logit.stride(0), shared.stride(0),
-                                                      out.stride(0), BH=bh, num_warps=4)
+                                                      out.stride(0), BH=bh, num_warps=4, **pdl_args(x.device))
     return out

@@ -68,6 +68,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _rowmajor, _write_mode
+from kernels.pdl import pdl_args, pdl_prologue
 
 # Defaults from sm_90 compiles of this file (triton 3.7 offline, ptxas -v; DK=DV=128, bf16 in), then timed on the
 # H200 (bench/kernels_gdn.py prefill, bench/NOTES.md 2026-12-01: BT=64 / BV=32 / 4 warps / blocks was the fastest):
@@ -154,7 +155,9 @@ def _chunk_prep_kernel(
     BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BVU: tl.constexpr,
     L2NORM: tl.constexpr, PS: tl.constexpr, PO: tl.constexpr,
     INV: tl.constexpr,  # (I + A)^-1 by 0: forward substitution row by row; 1: 16x16 diagonal blocks + merges
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     hv = tl.program_id(2)
@@ -256,10 +259,12 @@ def _chunk_state_kernel(
     PS: tl.constexpr, PO: tl.constexpr,
     SPLIT: tl.constexpr = 0,  # 1: the state walk alone (pass A of state_pass="split"): no o; every chunk's start
     # state goes to h[bos // BT + b + c] and v_new over u (in place), for _chunk_out_kernel
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """The state tile is held as NK (1 or 2) pieces S0, S1 [KS, BV] of its DK rows, and every [BT, DK] operand is
     loaded and multiplied piece by piece, so that no [BT, DK] fp32 tile (two of them for a tf32x3 operand) is held
     in registers at once. q and k come raw (input dtype) times phase 1's row factors fq, fk."""
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -341,10 +346,12 @@ def _chunk_out_kernel(
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, KS: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PO: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Pass B of state_pass="split", one program per (request, chunk, value head x value tile), all in parallel:
     o = (q_raw fq) h_c + P v_new with h_c the chunk-start state and v_new (in u's scratch) from pass A. The key
     dimension in NK pieces of KS (as in _chunk_state_kernel: [BT, KS] operands)."""
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     hv = tl.program_id(2) // NV
@@ -449,6 +456,7 @@ def gdn_chunk2_triton(
         beta.stride(0), beta.stride(1),
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, KC=kc, BVU=bvu, L2NORM=use_qk_l2norm, PS=prec,
         PO=prec_out, INV=int(blocks), num_warps=prep_warps, num_stages=prep_stages,
+        **pdl_args(q.device),
     )
     if only_prep:
         return o
@@ -463,6 +471,7 @@ def gdn_chunk2_triton(
         state.stride(0), state.stride(1), state.stride(2),
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, KS=ks, NK=nk, BV=bv, WRITE=write, PS=prec, PO=prec_out,
         SPLIT=int(split), num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device),
     )
     if split and not only_walk:
         bvo = min(bvo, max(16, triton.next_power_of_2(dim_v)))
@@ -472,5 +481,6 @@ def gdn_chunk2_triton(
             q.stride(0), q.stride(1), o.stride(0), o.stride(1),
             HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, KS=ks, NK=nk, BV=bvo, NV=nvo, PO=prec_out,
             num_warps=out_warps, num_stages=1,
+            **pdl_args(q.device),
         )
     return o

@@ -40,11 +40,18 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.gdn_decode import decode_heads
+from kernels.pdl import pdl_args, pdl_prologue
 
 # measured on the H200 (bench/kernels_gdn_decode.py sweeps BV and the norm placement; see _auto_bv)
 DECODE_AUTO_BV = 32
 DECODE_BV = int(os.environ.get("HYBRIDSPEC_GDN_DECODE_BV", "0"))  # 0: _auto_bv
 DECODE_NORM = os.environ.get("HYBRIDSPEC_GDN_DECODE_NORM", "fused")  # "fused" (in the kernel) or "separate"
+# With PDL (kernels/pdl.py) the kernel reads cu_seqlens, slots and its state tile (the longest load) before its
+# prologue, while the kernel launched just before it finishes: that kernel must write none of them. The engine
+# launches a decode right after its layer's input projection; state resets, commits and the staging copies of
+# cu_seqlens / slots run before the step's first kernel. HYBRIDSPEC_GDN_DECODE_EARLY=0 (read at import): every read
+# after the prologue.
+EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
 
 
 @triton.jit
@@ -100,7 +107,11 @@ def _gdn_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr, GP: tl.constexpr,
     NORM: tl.constexpr,  # 0: o unnormalised (norm launched after), 1: in the program (BV == DV), 2: last program
+    EARLY: tl.constexpr = False,  # cu_seqlens, slots and the state tile are read before the PDL prologue
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    if not EARLY:
+        pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     vt = tl.program_id(2)
@@ -117,6 +128,8 @@ def _gdn_decode_kernel(
         dv = vt * BV + tl.arange(0, BV)  # [BV] (DV % BV == 0)
         s_ptrs = st_ptr + slot * s_ss + hv * s_sh + dk[:, None] * s_sk + dv[None, :]  # [BK, BV]
         S = tl.load(s_ptrs, mask=kmask[:, None], other=0.0)  # fp32 state tile, first: the longest load
+        if EARLY:  # (a request of no token reads nothing more and leaves without the prologue)
+            pdl_prologue(PDL)
         xrow = x_ptr + bos * s_xn
         win = cs_ptr + slot * s_css
         cq = hk * DK + dk
@@ -267,8 +280,9 @@ def gdn_decode_triton(
             state.stride(0), state.stride(1), state.stride(2), mixed.stride(0), write, int(keep_inputs),
             HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, KW=conv_weight.shape[1] - 1, BK=bk, BV=bv,
             BKW=max(2, triton.next_power_of_2(conv_weight.shape[1] - 1)),
-            GP=max(2, triton.next_power_of_2(heads_v // heads_k)), NORM=norm_mode,
+            GP=max(2, triton.next_power_of_2(heads_v // heads_k)), NORM=norm_mode, EARLY=EARLY_STATE_READS,
             num_warps=num_warps or max(2, min(16, bk * bv // 1024)),
+            **pdl_args(x.device),
         )
     if norm_mode == 0:
         from kernels.norm_triton import gated_rmsnorm_triton

@@ -41,6 +41,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.gdn import gdn_commit_ref, gdn_recurrent_ref
+from kernels.pdl import pdl_args, pdl_prologue
 
 # Tuning, from bench/kernels_gdn.py on the H200 (bench/NOTES_gdn.md, run 3). num_warps=8 stays out of the
 # one-block kernels: (bv=64, 8 warps) with a state write hit an illegal memory access on triton 3.6 (run 2).
@@ -233,7 +234,9 @@ def _gdn_fwd_kernel(
     PREC_OUT: tl.constexpr,  # precision of the dots that only feed outputs
     TRANS: tl.constexpr,  # keep the state transposed, S^T [BV, BK] (_block_step_t)
     SINGLE: tl.constexpr,  # every request's block fits in one BT block (verification): no loop
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -310,7 +313,9 @@ def _gdn_seq_kernel(
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh, s_ss, s_sh, s_sk,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     WRITE: tl.constexpr, L2NORM: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -348,9 +353,11 @@ def _gdn_seq_commit_kernel(
     s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """The commit in the sequential form: request b's first keep[b] tokens onto its state, one at a time (work
     in proportion to the accepted tokens, not the block); keep 0 reads and writes nothing."""
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -416,6 +423,7 @@ def _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, *, scale, use_qk_l2no
         COMMIT=commit, REPLAY=int(replay), L2NORM=use_qk_l2norm, PREC=prec,
         PREC_MAIN=prec if (write != 0 or commit) else prec_out, PREC_OUT=prec_out, TRANS=trans, SINGLE=single,
         num_warps=warps,
+        **pdl_args(q.device),
     )
 
 
@@ -507,6 +515,7 @@ def gdn_triton(
                 state.stride(0), state.stride(1), state.stride(2),
                 HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BK=bk, BV=bvv, WRITE=write, L2NORM=use_qk_l2norm,
                 num_warps=num_warps or SEQ_WARPS,
+                **pdl_args(q.device),
             )
         return o
     long = max_len > 32
@@ -594,6 +603,7 @@ def gdn_commit_triton(
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
             beta.stride(1),
             HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BK=bk, BV=bvv, L2NORM=use_qk_l2norm, num_warps=num_warps,
+            **pdl_args(k.device),
         )
         return
     if impl != "block":

@@ -29,6 +29,17 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.gemv import GEMV_MAX_ROWS, linear_small_ref
+from kernels.pdl import pdl_args, pdl_prologue
+
+
+@triton.jit
+def _gemv_tile(acc, w, x_ptr, stride_xn, k0, k, kmask, N, cols, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += w [BLOCK_M, BLOCK_K] . x[:, k0 + k]^T for the N input rows (fp32)."""
+    for i in tl.static_range(BLOCK_N):
+        xi = tl.load(x_ptr + i * stride_xn + k0 + k, mask=kmask & (i < N), other=0.0).to(tl.float32)
+        part = tl.sum(w * xi[None, :], axis=1)  # [BLOCK_M]
+        acc = tl.where(cols[None, :] == i, acc + part[:, None], acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["N", "M"])
@@ -47,6 +58,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the K loop (1: none)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -54,15 +66,19 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_N)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wm + k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # out^T: the row sums land in this layout without a shuffle
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    # the first weight tile (all of it where K <= BLOCK_K) is in flight while the kernel before this one finishes:
+    # weights are never written by it (kernels/pdl.py); the input rows are read after the prologue
+    # (the weights are read once per step: evict_first keeps them from evicting activations / states from L2)
+    kmask = k < K
+    w = tl.load(w_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # [BLOCK_M, BLOCK_K]
+    pdl_prologue(PDL)
+    acc = _gemv_tile(acc, w, x_ptr, stride_xn, 0, k, kmask, N, cols, BLOCK_N)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         kmask = (k0 + k) < K
-        # the weights are read once per step: keep them from evicting activations / states from L2
         w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        for i in tl.static_range(BLOCK_N):
-            xi = tl.load(x_ptr + i * stride_xn + k0 + k, mask=kmask & (i < N), other=0.0).to(tl.float32)
-            part = tl.sum(w * xi[None, :], axis=1)  # [BLOCK_M]
-            acc = tl.where(cols[None, :] == i, acc + part[:, None], acc)
+                    eviction_policy="evict_first").to(tl.float32)
+        acc = _gemv_tile(acc, w, x_ptr, stride_xn, k0, k, kmask, N, cols, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], acc.to(out_ptr.dtype.element_ty),
@@ -96,7 +112,10 @@ DEFAULT = "m8k512w4s4"
 # stream (pipelined loop, several programs a SM), the small latency-bound ones every byte in flight at once.
 SHAPE_TABLE: dict[tuple[int, ...], str] = {
     # measured on the H200 at N = 1 (bench/kernels_gemv.py, bench/NOTES.md 2026-12-01): cuBLAS / this kernel us
-    (2048, 4096): "m2k2048w4s1",  # GDN out_proj, attention o_proj, MTP fc: 8.66 (split-K + reduce) / 7.04
+    # GDN out_proj, attention o_proj, MTP fc: 8.66 (split-K + reduce) / 7.04 (m2k2048w4s1); with PDL (kernels/pdl.py,
+    # 40 calls back to back, 2026-12-01): 8.79 / 5.29 (m4k2048w8s1; m2k2048w4s1 5.68)
+    (2048, 4096): "m4k2048w8s1",
+    # (with PDL the others' picks are within 3% of their best: in_proj 13.38, qkv 10.45, shared gate/up 2.39, down 1.85)
     (12352, 2048): "m4k512w4s1",  # GDN in_proj (qkv, z, b, a fused): 15.99 / 14.44
     (9216, 2048): "m2k2048w4s1",  # attention q (+ gate), k, v fused: 11.85 / 11.77
     (1025, 2048): "m2k2048w4s1",  # shared expert gate/up/gate logit at one row (unpadded): 4.07 / 3.60
@@ -130,5 +149,5 @@ def linear_small_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     _gemv_kernel[(triton.cdiv(m, cfg.block_m),)](
         x, weight, bias if bias is not None else weight, out, n, m, k, x.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_args(x.device))
     return out

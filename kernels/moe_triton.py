@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.moe import ROUTER_LOGITS_MAX_N  # one program column holds every token up to this many
+from kernels.pdl import pdl_args, pdl_prologue
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,17 +61,23 @@ def _router_logits_kernel(
     BLOCK_K: tl.constexpr,
     DOT: tl.constexpr,  # tl.dot tiles (>= 16 experts wide); else fp32 products and sums on the CUDA cores
     IEEE: tl.constexpr,  # with DOT, fp32 inputs: full-precision dots (not tf32)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     n = tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    # the first weight tile is in flight while the kernel before this one finishes (weights: kernels/pdl.py)
+    w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + k[None, :], mask=(e < E)[:, None] & (k < H)[None, :],
+                other=0.0)  # [BE, BK]
+    pdl_prologue(PDL)
     for k0 in range(0, H, BLOCK_K):
         kmask = (k0 + k) < H
+        if k0 > 0:
+            w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :],
+                        mask=(e < E)[:, None] & kmask[None, :], other=0.0)
         a = tl.load(x_ptr + n[:, None].to(tl.int64) * stride_xn + (k0 + k)[None, :],
                     mask=(n < N)[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :],
-                    mask=(e < E)[:, None] & kmask[None, :], other=0.0)  # [BE, BK]
         if DOT:
             if IEEE:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -105,12 +112,13 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
         block_k = 512  # [BN <= 4, BE, BK] products in registers (bench/router_logits.py sizes larger N apart)
         _router_logits_kernel[(triton.cdiv(e, block_e),)](
             x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=block_n, BLOCK_E=block_e,
-            BLOCK_K=block_k, DOT=False, IEEE=False, num_warps=4)
+            BLOCK_K=block_k, DOT=False, IEEE=False, num_warps=4, **pdl_args(x.device))
         return out
     block_e = 16
     _router_logits_kernel[(triton.cdiv(e, block_e),)](
         x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=max(16, triton.next_power_of_2(n)),
-        BLOCK_E=block_e, BLOCK_K=128, DOT=True, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+        BLOCK_E=block_e, BLOCK_K=128, DOT=True, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+        **pdl_args(x.device))
     return out
 
 
@@ -132,7 +140,9 @@ def _route_kernel(
     HAS_BIAS: tl.constexpr,
     SHARED: tl.constexpr,  # logits column E: the shared expert's gate -> slot TOP_K = (E, sigmoid)
     ROW_OUT: tl.constexpr,  # output row length: TOP_K, or TOP_K + 1 with SHARED
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -179,7 +189,7 @@ def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype
     _route_kernel[(n,)](logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0),
                         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
                         HAS_BIAS=bias is not None, SHARED=bool(shared), ROW_OUT=row_out,
-                        num_warps=4 if e_p2 >= 512 else 1)
+                        num_warps=4 if e_p2 >= 512 else 1, **pdl_args(logits.device))
     return weights, ids
 
 
@@ -207,10 +217,12 @@ def _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K: tl.constexpr, HAS_MASK
 
 @triton.jit(do_not_specialize=["NK"])  # NK varies every step: one compile for all
 def _distinct_experts_kernel(ids_ptr, mask_ptr, out_ptr, counts_ptr, NK, E, stride_row, TOP_K: tl.constexpr,
-                             HAS_MASK: tl.constexpr, COUNTS: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_MASK: tl.constexpr, COUNTS: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """One program: how many of the E experts the unmasked assignments touch (int64 scalar) and, with COUNTS,
     the assignments per expert (int64 [E]). ids [N, TOP_K] with rows stride_row apart (the routed columns of
     route's [N, k + 1] with the shared slot are read in place)."""
+    pdl_prologue(PDL)
     e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     for start in range(0, NK, BLOCK):
@@ -242,7 +254,7 @@ def _expert_stats(topk_ids: Tensor, token_mask: Tensor | None, num_experts: int,
     _distinct_experts_kernel[(1,)](ids, mask, out, counts if with_counts else out, nk, num_experts, ids.stride(0),
                                    TOP_K=k, HAS_MASK=token_mask is not None, COUNTS=with_counts,
                                    E_P2=triton.next_power_of_2(num_experts + 1), BLOCK=128 if nk <= 128 else 1024,
-                                   num_warps=4 if nk <= 128 else 8)
+                                   num_warps=4 if nk <= 128 else 8, **pdl_args(ids.device))
     return out, counts
 
 
@@ -291,7 +303,9 @@ def _moe_align_kernel(
     E_P2: tl.constexpr,  # power of two > E (bin E collects masked / out-of-range assignments)
     CHUNK: tl.constexpr,
     SHARED: tl.constexpr,  # id E - 1 is the shared expert (kept for masked tokens)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     bins = tl.arange(0, E_P2)
     # pass 1: assignments per expert
     counts = tl.zeros([E_P2], tl.int32)
@@ -401,7 +415,9 @@ def _moe_gate_up_kernel(
     E_P2: tl.constexpr,
     NK_P2: tl.constexpr,
     SHARED: tl.constexpr,  # expert id E - 1 is the shared expert (ws_ptr, I_S)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -487,7 +503,9 @@ def _moe_down_kernel(
     FENCE: tl.constexpr,  # emit a gpu-scope fence per thread (real GPUs; the interpreter runs programs in order)
     RED_T: tl.constexpr,  # tokens per reduce step
     SHARED: tl.constexpr,  # expert id E - 1 is the shared expert (ws_ptr, I_S)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -556,7 +574,9 @@ def _moe_reduce_kernel(
     HAS_MASK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -641,7 +661,8 @@ def moe_align_triton(
     distinct, counts, flag = _stats_args(stats, num_experts - 1 if shared else num_experts, dev)
     _moe_align_kernel[(1,)](flat_ids, mask, sorted_ids, block_expert, num_blocks, cursor, distinct, counts, nk,
                             num_experts, flag, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_M=block_m, E_P2=e_p2,
-                            CHUNK=chunk, SHARED=bool(shared), num_warps=4 if chunk <= 256 else 8)
+                            CHUNK=chunk, SHARED=bool(shared), num_warps=4 if chunk <= 256 else 8,
+                            **pdl_args(flat_ids.device))
     return sorted_ids, block_expert, num_blocks, mask
 
 
@@ -792,7 +813,7 @@ def fused_moe_triton(
         ws_gu.stride(0), h.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FUSED_ALIGN=fuse_align, HAS_MASK=has_mask,
         E_P2=e_p2, NK_P2=triton.next_power_of_2(max(nk, FUSE_ALIGN_MAX_NK)) if fuse_align else 1,
-        SHARED=shared is not None, num_warps=warps, num_stages=stages)
+        SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_args(x.device))
 
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
     bn, bk, warps, stages = tiles["down"]
@@ -803,11 +824,12 @@ def fused_moe_triton(
         h, w_down, ws_dn, y, rw, sorted_ids, block_expert, num_blocks, out, mask, counters, nk, ids_total, hidden,
         inter, inter_s, h.stride(0), w_down.stride(0), w_down.stride(1), ws_dn.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, TOP_K=top_k, FUSED_REDUCE=fuse_reduce, HAS_MASK=has_mask,
-        FENCE=fuse_reduce and x.is_cuda, RED_T=16, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+        FENCE=fuse_reduce and x.is_cuda, RED_T=16, SHARED=shared is not None, num_warps=warps, num_stages=stages,
+        **pdl_args(h.device))
 
     if not fuse_reduce:
         block_h = min(1024, triton.next_power_of_2(hidden))
         _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             y, mask, out, ids, ids_total, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h,
-            SHARED=shared is not None, num_warps=4)
+            SHARED=shared is not None, num_warps=4, **pdl_args(y.device))
     return out

@@ -12,10 +12,12 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, D, s_x, s_o, eps, BD: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, D, s_x, s_o, eps, BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D
@@ -27,8 +29,10 @@ def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, D, s_x, s_o, eps, BD: tl.constexpr):
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, D, s_x0, s_x1, s_g0, s_g1, s_o, R1, eps, BD: tl.constexpr):
+def _gated_rmsnorm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, D, s_x0, s_x1, s_g0, s_g1, s_o, R1, eps, BD: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Row r = (r // R1, r % R1) of x and gate viewed as [M / R1, R1, D] with their own strides."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // R1, row % R1
     cols = tl.arange(0, BD)
@@ -46,9 +50,10 @@ def _gated_rmsnorm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, D, s_x0, s_x1, s_g0, s_g1,
 
 @triton.jit
 def _residual_rmsnorm_kernel(x_ptr, h_ptr, gl_ptr, sh_ptr, w_ptr, s_ptr, o_ptr, D, s_x, s_h, s_gl, s_sh, s_s, s_o,
-                             eps, MOE: tl.constexpr, BD: tl.constexpr):
+                             eps, MOE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """s = x + h (MOE: x + (h + sigmoid(gl) * sh), h the routed experts, sh the shared one), then RMSNorm(s).
     One program per row; every op rounds to the input dtype where the references do."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D
@@ -87,7 +92,7 @@ def rmsnorm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x2.shape[0]:
         bd = triton.next_power_of_2(d)
         _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), float(eps), BD=bd,
-                                        num_warps=4 if bd <= 1024 else 8)
+                                        num_warps=4 if bd <= 1024 else 8, **pdl_args(x2.device))
     return out.view(x.shape)
 
 
@@ -113,7 +118,7 @@ def gated_rmsnorm_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float) ->
         bd = triton.next_power_of_2(d)
         _gated_rmsnorm_kernel[(rows,)](x3, g3, weight, out, d, x3.stride(0), x3.stride(1), g3.stride(0),
                                        g3.stride(1), out.stride(0), x3.shape[1], float(eps), BD=bd,
-                                       num_warps=4 if bd <= 1024 else 8)
+                                       num_warps=4 if bd <= 1024 else 8, **pdl_args(x3.device))
     return out.view(x.shape)
 
 
@@ -131,7 +136,7 @@ def _residual_rmsnorm(x: Tensor, h: Tensor, gate_logit: Tensor | None, shared: T
         gl, sh = (gate_logit, shared) if moe else (x, x)
         _residual_rmsnorm_kernel[(n,)](x, h, gl, sh, weight, s, out, d, x.stride(0), h.stride(0), gl.stride(0),
                                        sh.stride(0), s.stride(0), out.stride(0), float(eps), MOE=moe, BD=bd,
-                                       num_warps=4 if bd <= 1024 else 8)
+                                       num_warps=4 if bd <= 1024 else 8, **pdl_args(x.device))
     return s, out
 
 
