@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import statistics
@@ -397,6 +398,8 @@ def speedup_table(rows: list[dict], key: str = "decode_tokens_per_s") -> list[di
 
 
 def main() -> None:
+    # warnings reach stderr: a failed graph capture names its bucket and error there (run 25 lost them)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--tiny", action="store_true")

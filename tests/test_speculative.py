@@ -590,12 +590,22 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     assert graphs.evictions > 0 and len(graphs.graphs) <= 2
     # rate limit: with a full set, a new bucket within EVICT_EVERY runs of the last eviction runs eagerly (None)
     monkeypatch.setattr(workers.graphs, "EVICT_EVERY", 10 ** 6)
+    monkeypatch.setattr(workers.graphs, "STALE_RUNS_PER_GRAPH", 10 ** 6)  # (no graph idles that long here)
     graphs._runs_since_evict = 0
     evictions, calls["none"] = graphs.evictions, 0
     llm2_tokens, _ = run(llm)
     assert llm2_tokens == reference and graphs.evictions == evictions
     assert calls["none"] > 0 and len(graphs.graphs) <= 2
     assert any(eager_flags)  # the runner reports those steps (bench/e2e.py counts them per row)
+    # ... but a least recently used graph idle for STALE_RUNS_PER_GRAPH x max_graphs runs is no part of the working
+    # set: it is dropped at once (a set filled by an earlier load, bench/NOTES.md run 25's one-process c=64 cells)
+    monkeypatch.setattr(workers.graphs, "STALE_RUNS_PER_GRAPH", 4)
+    graphs._runs_since_evict, calls["none"] = 0, 0
+    lru = next(iter(graphs.graphs))
+    graphs._last_run[lru] = graphs._runs - 4 * graphs.max_graphs
+    eager_flags.clear()
+    llm3_tokens, _ = run(llm)
+    assert llm3_tokens == reference and graphs.evictions > evictions and lru not in graphs.graphs
     with pytest.raises(ValueError, match="max_graphs must be >= 2"):
         type(graphs)(graphs.model, graphs.cache, max_block=2, spare_page=0, spare_slot=0, page_table_width=1,
                      max_tokens=4, max_graphs=1)

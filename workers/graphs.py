@@ -44,6 +44,12 @@ from workers.model import HybridModel, MoEContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EVICT_EVERY = 32  # runs of a full graph set between two evictions (more often: new buckets run eagerly)
+# ... unless the graph to drop has not run for this many runs of the set: a bucket of an earlier load (another batch
+# size, other block lengths) is no part of the working set the rate limit protects from re-capturing at every step.
+# Without it a set filled by earlier loads took new buckets one per EVICT_EVERY runs: in one e2e process running c=1,
+# 4 and 16 before c=64, 18 of the 35 steps of hybridspec's c=64 / 0.95 cell ran eagerly at 88 ms (run 25, 44cd073).
+# A working set larger than the set cycles through its buckets in fewer runs than this (4 x max_graphs = 384 at 96).
+STALE_RUNS_PER_GRAPH = 4
 PAD_BLOCK = 4  # a bucket has padding requests for its largest padding in blocks of this many tokens (or max block)
 MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages share one)
 log = logging.getLogger(__name__)
@@ -146,6 +152,8 @@ class StepGraphs:
         self.graphs: OrderedDict[BucketKey, _Graph] = OrderedDict()  # least recently used first
         self.evictions = 0  # graphs dropped to make room (max_graphs) for a new bucket
         self._runs_since_evict = EVICT_EVERY
+        self._runs = 0  # runs of this set so far
+        self._last_run: dict[BucketKey, int] = {}  # a graph's last run (self._runs then)
         self.failed: dict[BucketKey, str] = {}  # buckets whose capture failed: those steps run eagerly
         self.pool = None
         device, vocab = model.device, model.config.vocab_size
@@ -284,13 +292,17 @@ class StepGraphs:
         g = self.graphs.get(key)
         captured = g is None and self.capture
         self._runs_since_evict += 1
+        self._runs += 1
         if g is not None:
             self.graphs.move_to_end(key)
         else:
             if len(self.graphs) >= self.max_graphs:
                 # a working set larger than the set would re-capture at every step (two warm-up forwards and a
-                # capture each): at most one eviction per EVICT_EVERY runs, new buckets run eagerly in between
-                if self._runs_since_evict < EVICT_EVERY:
+                # capture each): at most one eviction per EVICT_EVERY runs, new buckets run eagerly in between;
+                # a least recently used graph idle for STALE_RUNS_PER_GRAPH x max_graphs runs goes at once
+                lru = next(iter(self.graphs))
+                idle = self._runs - self._last_run.get(lru, 0)
+                if self._runs_since_evict < EVICT_EVERY and idle < STALE_RUNS_PER_GRAPH * self.max_graphs:
                     return None
                 while len(self.graphs) >= self.max_graphs:
                     self._evict()
@@ -301,6 +313,7 @@ class StepGraphs:
                 log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
                 return None
             self.graphs[key] = g
+        self._last_run[key] = self._runs
         lens, pad_lens = self._stage(g, key, blocks, context_lens, page_rows, slots, write, extra_rows)
         bt, b, r, n = g.batch, len(blocks), g.layout.r, sum(lens)
         if not self.capture:  # eager on the same static batch (CPU tests)
@@ -383,6 +396,7 @@ class StepGraphs:
         if self.capture:
             torch.cuda.current_stream().synchronize()
         key, _ = self.graphs.popitem(last=False)
+        self._last_run.pop(key, None)
         self.evictions += 1
         self._runs_since_evict = 0
         log.info("CUDA graph bucket %s dropped to make room (max_graphs=%d)", key, self.max_graphs)
