@@ -1105,6 +1105,46 @@ def test_hybridspec_prices_a_step_by_what_it_measured_at_that_batch_size():
     assert not budget.bucket_costs and not budget.profile_costs  # only hybridspec keeps them
 
 
+def test_hybridspec_cost_table_is_rebuilt_by_the_learning_not_by_the_plan(monkeypatch):
+    """A served sample rebuilds its bucket's cost table where it is learned (on CUDA while the next forward is on
+    the device), so the next plan reads it without rebuilding; the table equals a fresh build of what was
+    measured (the plans see the same costs as when the plan rebuilt it)."""
+    from workers.policy import LengthPolicy, SlopeFloor, StepObservation
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
+    for t, ms in ((2, 5.0), (10, 9.0), (18, 9.5)):
+        policy.observe_profile(StepObservation([t // 2] * 2, [10, 10], ms, None), None)
+    for ms in (7.0, 7.4, 6.8):  # served verification steps of 6 tokens at 2 requests
+        policy.observe(None, StepObservation([5, 1], [300, 30], ms, None), None)
+        built, fresh = policy._cost_tables[2], policy._build_cost_table(2)
+        assert (built.tokens, built.step_ms, built._counts) == (fresh.tokens, fresh.step_ms, fresh._counts)
+    assert policy._cost_tables[2].tokens == [2, 6, 10, 18]
+    monkeypatch.setattr(policy, "_build_cost_table", lambda b: pytest.fail("the plan rebuilt the cost table"))
+    cost = policy.step_cost([1, 1], [10, 10], 20)
+    assert isinstance(cost, SlopeFloor) and cost.table is built
+
+
+def test_every_drafting_policy_measures_its_drafting_and_the_rest_of_its_steps():
+    """budget and fixed keep the drafter's ms by rows and the rest of a drafted step as hybridspec does (a
+    diagnostic: their overheads beyond the forward compare with hybridspec's measured); their plans do not read
+    them."""
+    from scheduler.latency_model import DraftCost
+    from workers.policy import LengthPolicy
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    for name in ("budget", "fixed", "hybridspec"):
+        policy = LengthPolicy(name, cfg, max_verify_len=16)
+        policy.observe_draft(4, 4 * 17, None)  # not measured (a capture, nothing drafted): no sample
+        assert not policy.draft_costs
+        policy.observe_draft(4, 4 * 17, 1.5)
+        policy.observe_outcome(4, True, 8, step_ms=9.0, forward_ms=7.0)
+        assert policy.draft_costs[4].ms(DraftCost.grid(4 * 17)) == pytest.approx(1.5)
+        assert policy.rest_overhead_ms[4] == pytest.approx(0.5)
+        assert policy.draft_overhead_ms[4] == pytest.approx(2.0)
+
+
 def test_profile_points_are_rescaled_by_what_served_steps_measure_against_them():
     """The start-up profile's synthetic steps (short contexts, other graph buckets) can sit off the served steps
     by a factor; the token counts the plan has not visited take that factor, so they neither lure the plan nor

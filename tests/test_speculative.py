@@ -283,6 +283,20 @@ def test_graph_path_rolls_back_the_draft_model_on_plain_steps(reference):
     assert runner.drafter.graphs.graphs  # and the draft model's
 
 
+def _send_extra_tokens_everywhere(monkeypatch) -> None:
+    """hybridspec verifies half of each request's drafts and sends the extra token to every request below its cap,
+    in batches of any size (the mechanism under test, not the plan or the rule)."""
+    import workers.policy
+    import workers.runner
+
+    monkeypatch.setattr(workers.policy, "EXTRA_FROM", 1)
+    monkeypatch.setattr(workers.runner, "EXTRA_FROM", 1)
+    monkeypatch.setattr(workers.policy.LengthPolicy, "lengths", lambda self, drafter, caps, confidences, *_:
+                        [min(c, len(conf)) // 2 for c, conf in zip(caps, confidences)])
+    monkeypatch.setattr(workers.policy.LengthPolicy, "extra_tokens",
+                        lambda self, lengths, caps: {i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c})
+
+
 @pytest.mark.parametrize("policy, acceptance", [("fixed", 0.6), ("hybridspec", 0.7)])
 def test_graph_path_verification_is_lossless(reference, policy, acceptance, monkeypatch):
     """Verification steps in graph buckets (padding requests, padding rows masked out of the MoE, the router
@@ -290,16 +304,8 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance, monk
     of each request's drafts and sends the extra token to every request below its cap here, in batches of any size
     (its plan, rule and workers.policy.EXTRA_FROM would send few or none at this model's CPU-measured costs): the
     mechanism is what is under test."""
-    import workers.policy
-    import workers.runner
-
     if policy == "hybridspec":
-        monkeypatch.setattr(workers.policy, "EXTRA_FROM", 1)
-        monkeypatch.setattr(workers.runner, "EXTRA_FROM", 1)
-        monkeypatch.setattr(workers.policy.LengthPolicy, "lengths", lambda self, drafter, caps, confidences, *_:
-                            [min(c, len(conf)) // 2 for c, conf in zip(caps, confidences)])
-        monkeypatch.setattr(workers.policy.LengthPolicy, "extra_tokens",
-                            lambda self, lengths, caps: {i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c})
+        _send_extra_tokens_everywhere(monkeypatch)
     llm = with_static_graphs(LLM(spec="replay", policy=policy, max_verify_len=6, replay_acceptance=acceptance))
     for prompt, ref in list(zip(PROMPTS, reference))[::2]:  # mixed steps: some requests never draft
         llm.set_replay_reference(prompt, ref)
@@ -313,6 +319,47 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance, monk
             assert g.plain == (key.max_block == 1) and g.corrects != g.plain
             assert (g.moe.token_mask is g.moe.row_mask) == g.plain and bool(g.moe.expert_counts) != g.plain
         assert sum(sent for _, sent in llm.engine.executor.runner.policy.extra_keep.values()) > 0  # extra tokens ran
+
+
+def test_the_greedy_argmax_is_launched_before_the_router_correction_is_read(reference, monkeypatch):
+    """With extra tokens sent, the runner launches the greedy rows' argmax before it reads the router correction's
+    token mask back: one wait for the forward and the argmax together (launched after that read, the argmax ran
+    on an idle device and was waited for again). Tokens stay identical."""
+    _send_extra_tokens_everywhere(monkeypatch)
+    llm = with_static_graphs(LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.7))
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    runner = llm.engine.executor.runner
+    steps: list[list[str]] = []  # per step, after its forward: argmax / mask read / choices read, in order
+    argmaxed: list[torch.Tensor] = []
+    real_argmax, real_tolist, real_flush = torch.Tensor.argmax, torch.Tensor.tolist, runner.flush_learning
+
+    def flush(fold: bool = True) -> None:
+        if not fold:  # (inside a step, right after its forward's launch)
+            steps.append([])
+        real_flush(fold)
+
+    def argmax(self, *args, **kwargs):
+        out = real_argmax(self, *args, **kwargs)
+        if steps and self.dim() == 2:
+            argmaxed.append(out)
+            steps[-1].append("argmax")
+        return out
+
+    def tolist(self):
+        if steps and self.dtype == torch.bool:
+            steps[-1].append("mask")
+        elif steps and any(self is t for t in argmaxed):
+            steps[-1].append("choices")
+        return real_tolist(self)
+    monkeypatch.setattr(runner, "flush_learning", flush)
+    monkeypatch.setattr(torch.Tensor, "argmax", argmax)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    tokens, _ = run(llm)
+    assert tokens == reference
+    corrected = [s for s in steps if "mask" in s]
+    assert corrected and all(s == ["argmax", "mask", "choices"] for s in corrected), steps
+    assert sum(sent for _, sent in runner.policy.extra_keep.values()) > 0  # extra tokens ran
 
 
 def test_small_batches_send_no_extra_token_and_run_no_router_correction(reference):

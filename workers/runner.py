@@ -442,6 +442,13 @@ class ModelRunner:
         # the previous step's learning, deferred: the host learns while the device runs this forward (its policy is
         # this one: use_policy flushes before a swap; a due fold of its routing counts waits for the end mark)
         self.flush_learning(fold=False)
+        # the greedy rows' argmax (step 4) is launched before the router correction's verdict is read (step 3): it
+        # queues behind the forward and one wait covers both. Launched after that read (hybridspec from the
+        # EXTRA_FROM bucket on, where extra tokens are sent), it started only once the host had read the mask and
+        # trimmed the drafts, on an idle device, and was waited for again: the host's work between the two reads, a
+        # launch and a second wake-up added to every such step (its kernel's time is paid either way; estimated
+        # tens of us, not measured on the GPU). The logits, and so the choices, are the same.
+        greedy = logits.argmax(dim=-1) if any(requests[i].params.temperature == 0 for i in spans) else None
         # 3. the router correction's verdict on each extra token: a masked one is not verified
         if extra and moe is not None and moe.token_mask is not None:
             kept = moe.token_mask.tolist()
@@ -455,7 +462,7 @@ class ModelRunner:
                     lo, hi = spans[i]
                     spans[i] = (lo, hi - 1)
         # 4. acceptance (the greedy rows' argmax read back once) and commit of exactly the accepted tokens
-        choices = logits.argmax(dim=-1).tolist() if any(requests[i].params.temperature == 0 for i in spans) else None
+        choices = greedy.tolist() if greedy is not None else None
         keep = [len(b) for b in blocks]
         accepted_counts, verified = {}, []
         for i, (lo, hi) in spans.items():
