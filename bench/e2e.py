@@ -335,10 +335,10 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
         row["gate_between_ms"] = [[t[0] / t[1] if t[1] else None, t[1]] for t in
                                   (policy.gate_between.get(s, (0.0, 0)) for s in (True, False))]
     row["draft_overhead_ms"] = dict(policy.draft_overhead_ms)
-    if policy.draft_costs:  # hybridspec: the drafter's ms by rows drafted, the rest of a drafted step, its plans'
-        # longest lengths (width_plan's choices)
+    if policy.draft_costs:  # every drafting policy: the drafter's ms by rows drafted, the rest of a drafted step
         row["draft_cost_ms"] = {b: dict(zip(c.table.tokens, c.table.step_ms)) for b, c in policy.draft_costs.items()}
         row["rest_overhead_ms"] = dict(policy.rest_overhead_ms)
+    if policy.planned_max:  # hybridspec: its plans' longest lengths (width_plan's choices)
         row["planned_max_recent"] = {b: list(w) for b, w in policy.planned_max.items()}
     pstats = policy.stats()
     for key in ("plan_step_bias_pct", "plan_step_abs_pct"):

@@ -46,14 +46,15 @@ def main() -> None:
         bn = triton.next_power_of_2(x.shape[0])
         bk = 512 if bn <= 4 else 256 if bn <= 8 else 128
         MT._router_logits_kernel[(triton.cdiv(E, MT.ROUTER_GEMV_BLOCK_E),)](
-            x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), BLOCK_N=bn, BLOCK_E=MT.ROUTER_GEMV_BLOCK_E,
+            x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), 0, BLOCK_N=bn, BLOCK_E=MT.ROUTER_GEMV_BLOCK_E,
             BLOCK_K=bk, DOT=False, IEEE=False, num_warps=4)
         return out
 
     def dot(x, w):
         out = torch.empty(x.shape[0], E, dtype=torch.float32, device=dev)
         MT._router_logits_kernel[(triton.cdiv(E, 16),)](
-            x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), BLOCK_N=max(16, triton.next_power_of_2(x.shape[0])),
+            x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), 0,
+            BLOCK_N=max(16, triton.next_power_of_2(x.shape[0])),
             BLOCK_E=16, BLOCK_K=128, DOT=True, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
         return out
 

@@ -40,17 +40,17 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.gdn_decode import decode_heads
-from kernels.pdl import pdl_args, pdl_prologue
+from kernels.pdl import early_reads, pdl_args, pdl_prologue
 
 # measured on the H200 (bench/kernels_gdn_decode.py sweeps BV and the norm placement; see _auto_bv)
 DECODE_AUTO_BV = 32
 DECODE_BV = int(os.environ.get("HYBRIDSPEC_GDN_DECODE_BV", "0"))  # 0: _auto_bv
 DECODE_NORM = os.environ.get("HYBRIDSPEC_GDN_DECODE_NORM", "fused")  # "fused" (in the kernel) or "separate"
-# With PDL (kernels/pdl.py) the kernel reads cu_seqlens, slots and its state tile (the longest load) before its
-# prologue, while the kernel launched just before it finishes: that kernel must write none of them. The engine
-# launches a decode right after its layer's input projection; state resets, commits and the staging copies of
-# cu_seqlens / slots run before the step's first kernel. HYBRIDSPEC_GDN_DECODE_EARLY=0 (read at import): every read
-# after the prologue.
+# With PDL, inside a CUDA-graph capture (kernels/pdl.py early_reads), the kernel reads cu_seqlens, slots and its state
+# tile (the longest load) before its prologue, while the kernel launched just before it finishes: that kernel must
+# write none of them. In a captured step a decode follows its layer's input projection; the graph unpacks cu_seqlens
+# and slots in its first kernels, and state resets and commits run outside the step's forward graph.
+# HYBRIDSPEC_GDN_DECODE_EARLY=0 (read at import): every read after the prologue.
 EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
 
 
@@ -97,20 +97,20 @@ def _gated_norm(o, zz, w, eps, out_ptr, D: tl.constexpr, AXIS: tl.constexpr):
     return (y.to(tl.float32) * silu).to(dt)
 
 
-@triton.jit(do_not_specialize=["write", "keep"])
+@triton.jit(do_not_specialize=["write", "keep", "early"])
 def _gdn_decode_kernel(
     x_ptr, z_ptr, a_ptr, b_ptr, cw_ptr, na_ptr, dtb_ptr, nw_ptr, o_ptr, cu_ptr, cs_ptr, st_ptr, slots_ptr,
     wmask_ptr, ctr_ptr, mx_ptr, g_ptr, beta_ptr, scale, eps,
     s_xn, s_zn, s_an, s_bn, s_cwc, s_cwk, s_on, s_css, s_csc, s_csk, s_ss, s_sh, s_sk, s_mxn,
     write,  # 0: nothing written, 1: always, 2: where wmask[b] (runtime: one compile for the eager and graph calls)
     keep,  # 1: also store the conv output, g and beta (a commit's block inputs)
+    early,  # 1: cu_seqlens, slots and the state tile are read before the PDL prologue (kernels/pdl.py), 0: after
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr, GP: tl.constexpr,
     NORM: tl.constexpr,  # 0: o unnormalised (norm launched after), 1: in the program (BV == DV), 2: last program
-    EARLY: tl.constexpr = False,  # cu_seqlens, slots and the state tile are read before the PDL prologue
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    if not EARLY:
+    if early == 0:
         pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -128,7 +128,7 @@ def _gdn_decode_kernel(
         dv = vt * BV + tl.arange(0, BV)  # [BV] (DV % BV == 0)
         s_ptrs = st_ptr + slot * s_ss + hv * s_sh + dk[:, None] * s_sk + dv[None, :]  # [BK, BV]
         S = tl.load(s_ptrs, mask=kmask[:, None], other=0.0)  # fp32 state tile, first: the longest load
-        if EARLY:  # (a request of no token reads nothing more and leaves without the prologue)
+        if early != 0:
             pdl_prologue(PDL)
         xrow = x_ptr + bos * s_xn
         win = cs_ptr + slot * s_css
@@ -203,6 +203,8 @@ def _gdn_decode_kernel(
                         zz = tl.load(z_ptr + bos * s_zn + cols, mask=hm, other=0.0).to(tl.float32)
                         w = tl.load(nw_ptr + d)
                         tl.store(orow + cols, _gated_norm(oo, zz, w[None, :], eps, o_ptr, DV, 1), mask=hm)
+    elif early != 0:  # a request of no token: its programs pass the prologue too (kernels/pdl.py's ordering)
+        pdl_prologue(PDL)
 
 
 _COUNTERS: dict[tuple, Tensor] = {}
@@ -278,9 +280,10 @@ def gdn_decode_triton(
             x.stride(0), z.stride(0), a.stride(0), b.stride(0), conv_weight.stride(0), conv_weight.stride(1),
             out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             state.stride(0), state.stride(1), state.stride(2), mixed.stride(0), write, int(keep_inputs),
+            int(EARLY_STATE_READS and early_reads(x.device)),
             HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, KW=conv_weight.shape[1] - 1, BK=bk, BV=bv,
             BKW=max(2, triton.next_power_of_2(conv_weight.shape[1] - 1)),
-            GP=max(2, triton.next_power_of_2(heads_v // heads_k)), NORM=norm_mode, EARLY=EARLY_STATE_READS,
+            GP=max(2, triton.next_power_of_2(heads_v // heads_k)), NORM=norm_mode,
             num_warps=num_warps or max(2, min(16, bk * bv // 1024)),
             **pdl_args(x.device),
         )

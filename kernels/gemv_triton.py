@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.gemv import GEMV_MAX_ROWS, linear_small_ref
-from kernels.pdl import pdl_args, pdl_prologue
+from kernels.pdl import early_reads, pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _gemv_tile(acc, w, x_ptr, stride_xn, k0, k, kmask, N, cols, BLOCK_N: tl.cons
     return acc
 
 
-@triton.jit(do_not_specialize=["N", "M"])
+@triton.jit(do_not_specialize=["N", "M", "early"])  # (early: one compile for eager and captured calls)
 def _gemv_kernel(
     x_ptr,  # [N, K], unit column stride
     w_ptr,  # [M, K], unit column stride
@@ -53,6 +53,7 @@ def _gemv_kernel(
     K,
     stride_xn,
     stride_wm,
+    early,  # 1: the first weight tile is read before the PDL prologue (kernels/pdl.py early_reads), 0: after
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # >= N: every input row in one program (the weights are read once)
     BLOCK_M: tl.constexpr,
@@ -66,13 +67,16 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_N)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wm + k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # out^T: the row sums land in this layout without a shuffle
-    # the first weight tile (all of it where K <= BLOCK_K) is in flight while the kernel before this one finishes:
-    # weights are never written by it (kernels/pdl.py); the input rows are read after the prologue
+    # with `early` the first weight tile (all of it where K <= BLOCK_K) is in flight while the kernel before this one
+    # finishes (kernels/pdl.py); the input rows are read after the prologue
     # (the weights are read once per step: evict_first keeps them from evicting activations / states from L2)
+    if early == 0:
+        pdl_prologue(PDL)
     kmask = k < K
     w = tl.load(w_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0,
                 eviction_policy="evict_first").to(tl.float32)  # [BLOCK_M, BLOCK_K]
-    pdl_prologue(PDL)
+    if early != 0:
+        pdl_prologue(PDL)
     acc = _gemv_tile(acc, w, x_ptr, stride_xn, 0, k, kmask, N, cols, BLOCK_N)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         kmask = (k0 + k) < K
@@ -142,12 +146,13 @@ def linear_small_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if n == 0 or n > GEMV_MAX_ROWS:
         return linear_small_ref(x, weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    early = early_reads(x.device) and weight.stride(-1) == 1  # (a copy made just now is read after the wait)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     block_n = triton.next_power_of_2(n)
     cfg = CONFIGS[config] if isinstance(config, str) else config or pick_config(m, k, block_n)
     out = torch.empty(n, m, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(m, cfg.block_m),)](
-        x, weight, bias if bias is not None else weight, out, n, m, k, x.stride(0), weight.stride(0),
+        x, weight, bias if bias is not None else weight, out, n, m, k, x.stride(0), weight.stride(0), int(early),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_args(x.device))
     return out

@@ -40,13 +40,13 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.moe import ROUTER_LOGITS_MAX_N  # one program column holds every token up to this many
-from kernels.pdl import pdl_args, pdl_prologue
+from kernels.pdl import early_reads, pdl_args, pdl_prologue
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # router logits for few tokens: fp32 sums of the bf16 products, read straight from the bf16 inputs
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["early"])  # one compile for eager and captured calls
 def _router_logits_kernel(
     x_ptr,  # [N, H]
     w_ptr,  # [E, H]
@@ -56,6 +56,7 @@ def _router_logits_kernel(
     H,
     stride_xn,
     stride_we,
+    early,  # 1: the first weight tile is read before the PDL prologue (kernels/pdl.py early_reads), 0: after
     BLOCK_N: tl.constexpr,  # >= N (one program covers every token)
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -67,10 +68,13 @@ def _router_logits_kernel(
     n = tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    # the first weight tile is in flight while the kernel before this one finishes (weights: kernels/pdl.py)
+    # with `early` the first weight tile is in flight while the kernel before this one finishes (kernels/pdl.py)
+    if early == 0:
+        pdl_prologue(PDL)
     w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + k[None, :], mask=(e < E)[:, None] & (k < H)[None, :],
                 other=0.0)  # [BE, BK]
-    pdl_prologue(PDL)
+    if early != 0:
+        pdl_prologue(PDL)
     for k0 in range(0, H, BLOCK_K):
         kmask = (k0 + k) < H
         if k0 > 0:
@@ -104,6 +108,7 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
     if n > ROUTER_LOGITS_MAX_N or n == 0:
         return F.linear(x.float(), weight.float())
     x = x if x.stride(-1) == 1 else x.contiguous()
+    early = int(early_reads(x.device) and weight.stride(-1) == 1)  # (a copy made just now is read after the wait)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty(n, e, dtype=torch.float32, device=x.device)
     if n <= ROUTER_GEMV_MAX_N:
@@ -111,12 +116,12 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
         block_e = ROUTER_GEMV_BLOCK_E
         block_k = 512  # [BN <= 4, BE, BK] products in registers (bench/router_logits.py sizes larger N apart)
         _router_logits_kernel[(triton.cdiv(e, block_e),)](
-            x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=block_n, BLOCK_E=block_e,
+            x, weight, out, n, e, h, x.stride(0), weight.stride(0), early, BLOCK_N=block_n, BLOCK_E=block_e,
             BLOCK_K=block_k, DOT=False, IEEE=False, num_warps=4, **pdl_args(x.device))
         return out
     block_e = 16
     _router_logits_kernel[(triton.cdiv(e, block_e),)](
-        x, weight, out, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=max(16, triton.next_power_of_2(n)),
+        x, weight, out, n, e, h, x.stride(0), weight.stride(0), early, BLOCK_N=max(16, triton.next_power_of_2(n)),
         BLOCK_E=block_e, BLOCK_K=128, DOT=True, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
         **pdl_args(x.device))
     return out

@@ -9,11 +9,15 @@ PDL a kernel is launched with `launch_pdl=True` and may be scheduled while the k
   has completed and its writes are visible: the stream order, as without PDL) and then
   `griddepcontrol.launch_dependents` (the next kernel may be scheduled once every program of this one has passed
   this point: its programs take free SM slots and wait in their own prologue);
-- a kernel may read operands that no kernel writes during serving (weights) *before* its prologue, so their loads
-  are in flight while the kernel before it finishes (the one-shot GEMV does: kernels/gemv_triton.py). Because the
-  kernel before it waited for its own predecessor before letting this one launch, only the immediately preceding
-  kernel can still be running there: weights written by the kernel launched just before (a weight load's copy)
-  would be read stale. Weights load before serving.
+- inside a CUDA-graph capture (`early_reads`) a few kernels read operands before their prologue, so those loads are
+  in flight while the kernel before them finishes: the GEMV and the router logits their first weight tile
+  (kernels/gemv_triton.py, moe_triton.py), the GDN decode cu_seqlens, slots and its state tile
+  (gdn_decode_triton.py). Because the kernel before a kernel waited for its own predecessor before letting it
+  launch, only the immediately preceding kernel can still be running there: such a read is safe for data that
+  kernel does not write. In a captured step the weights (and the caches derived from them) were written before the
+  capture began and the decode follows its layer's input projection; a launcher that copies a weight first (a
+  non-contiguous one) reads it after the wait. Eager launches read everything after the wait (a weight cache may
+  have been built by the kernel just before).
 
 Without PDL at launch the two instructions do nothing. Off: HYBRIDSPEC_PDL=0 (read at import; `set_enabled` for
 benchmarks: graphs captured before keep what they captured), any device below compute capability 9, and under
@@ -58,6 +62,13 @@ def enabled(device: torch.device) -> bool:
     return cap
 
 
+def early_reads(device: torch.device) -> bool:
+    """Whether a launch now may read its weights (and the GDN decode its state) before its prologue: PDL on and
+    the stream capturing a CUDA graph (see the module docstring). A runtime argument of the kernels, not a
+    constexpr: the eager warm-ups before a capture compile what the capture replays."""
+    return enabled(device) and torch.cuda.is_current_stream_capturing()
+
+
 def pdl_args(device: torch.device) -> dict:
     """The launch keywords of a kernel with a `PDL: tl.constexpr` parameter: PDL and launch_pdl together."""
     on = enabled(device)
@@ -66,8 +77,8 @@ def pdl_args(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """First statement of every kernel (after reads of weights only): wait for the kernel launched before, then
-    let the next one launch."""
+    """First statement of every kernel (after its early reads, where it has them): wait for the kernel launched
+    before, then let the next one launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -637,25 +637,53 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     assert graphs.evictions > 0 and len(graphs.graphs) <= 2
     # rate limit: with a full set, a new bucket within EVICT_EVERY runs of the last eviction runs eagerly (None)
     monkeypatch.setattr(workers.graphs, "EVICT_EVERY", 10 ** 6)
-    monkeypatch.setattr(workers.graphs, "STALE_RUNS_PER_GRAPH", 10 ** 6)  # (no graph idles that long here)
+    monkeypatch.setattr(workers.graphs, "STALE_RUNS_PER_GRAPH", 10 ** 6)  # (every graph is in the recent window)
     graphs._runs_since_evict = 0
     evictions, calls["none"] = graphs.evictions, 0
     llm2_tokens, _ = run(llm)
     assert llm2_tokens == reference and graphs.evictions == evictions
     assert calls["none"] > 0 and len(graphs.graphs) <= 2
     assert any(eager_flags)  # the runner reports those steps (bench/e2e.py counts them per row)
-    # ... but a least recently used graph idle for STALE_RUNS_PER_GRAPH x max_graphs runs is no part of the working
-    # set: it is dropped at once (a set filled by an earlier load, bench/NOTES.md run 25's one-process c=64 cells)
+    # ... but after a change of load (the recent window's buckets fit in the set, the least recently used graph is
+    # none of them) the earlier load's graph is dropped at once (bench/NOTES.md run 25's one-process c=64 cells)
     monkeypatch.setattr(workers.graphs, "STALE_RUNS_PER_GRAPH", 4)
     graphs._runs_since_evict, calls["none"] = 0, 0
     lru = next(iter(graphs.graphs))
-    graphs._last_run[lru] = graphs._runs - 4 * graphs.max_graphs
+    graphs._recent.clear()
+    graphs._recent_count.clear()
+    assert graphs._load_changed()
     eager_flags.clear()
     llm3_tokens, _ = run(llm)
     assert llm3_tokens == reference and graphs.evictions > evictions and lru not in graphs.graphs
     with pytest.raises(ValueError, match="max_graphs must be >= 2"):
         type(graphs)(graphs.model, graphs.cache, max_block=2, spare_page=0, spare_slot=0, page_table_width=1,
                      max_tokens=4, max_graphs=1)
+
+
+def test_graph_set_keeps_the_rate_limit_for_a_working_set_larger_than_the_set():
+    """The eviction rule's load-change test on a bare StepGraphs state: a window whose buckets fit in the set and
+    miss the least recently used graph is a change of load; a window with more buckets than the set (a working
+    set that would thrash) or one that still uses that graph is not."""
+    from collections import Counter, OrderedDict, deque
+
+    import workers.graphs as wg
+
+    g = object.__new__(wg.StepGraphs)
+    g.max_graphs = 3
+    g.graphs = OrderedDict((k, None) for k in ("a", "b", "c"))  # "a" least recently used
+    g._recent, g._recent_count = deque(), Counter()
+    for k in ["d", "e", "b", "c"] * 2:
+        g._note_recent(k)
+    assert not g._load_changed()  # d, e, b, c: four buckets in the window, the set holds three
+    g._recent, g._recent_count = deque(), Counter()
+    for k in ["d", "b", "c"]:
+        g._note_recent(k)
+    assert g._load_changed()  # three buckets, "a" not among them
+    g._note_recent("a")
+    assert not g._load_changed()  # "a" ran in the window
+    for _ in range(wg.STALE_RUNS_PER_GRAPH * g.max_graphs):
+        g._note_recent("d")
+    assert g._load_changed() and list(g._recent_count) == ["d"]  # the window holds the last 12 runs only
 
 
 def test_token_buckets_step_by_halves_and_thirds():

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,11 +44,13 @@ from workers.model import HybridModel, MoEContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EVICT_EVERY = 32  # runs of a full graph set between two evictions (more often: new buckets run eagerly)
-# ... unless the graph to drop has not run for this many runs of the set: a bucket of an earlier load (another batch
-# size, other block lengths) is no part of the working set the rate limit protects from re-capturing at every step.
-# Without it a set filled by earlier loads took new buckets one per EVICT_EVERY runs: in one e2e process running c=1,
-# 4 and 16 before c=64, 18 of the 35 steps of hybridspec's c=64 / 0.95 cell ran eagerly at 88 ms (run 25, 44cd073).
-# A working set larger than the set cycles through its buckets in fewer runs than this (4 x max_graphs = 384 at 96).
+# ... unless the load has changed: the buckets of the last STALE_RUNS_PER_GRAPH x max_graphs runs (384 at 96) fit in
+# the set and the graph to drop is not one of them (a bucket of an earlier load: another batch size, other block
+# lengths). Without it a set filled by earlier loads took new buckets one per EVICT_EVERY runs: in one e2e process
+# running c=1, 4 and 16 before c=64, 18 of the 35 steps of hybridspec's c=64 / 0.95 cell ran eagerly at 88 ms (run
+# 25, 44cd073). The working-set condition keeps the rate limit where it matters: an idle-time rule alone let working
+# sets larger than the set re-capture 2-10x as often (a simulation of this logic, review of 0f6cf68: uniform access
+# to 150-400 buckets, cyclic access to 400), since under the rate limit the set's graphs idle long.
 STALE_RUNS_PER_GRAPH = 4
 PAD_BLOCK = 4  # a bucket has padding requests for its largest padding in blocks of this many tokens (or max block)
 MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages share one)
@@ -153,7 +155,8 @@ class StepGraphs:
         self.evictions = 0  # graphs dropped to make room (max_graphs) for a new bucket
         self._runs_since_evict = EVICT_EVERY
         self._runs = 0  # runs of this set so far
-        self._last_run: dict[BucketKey, int] = {}  # a graph's last run (self._runs then)
+        self._recent: deque[BucketKey] = deque()  # the buckets of the last STALE_RUNS_PER_GRAPH x max_graphs runs
+        self._recent_count: Counter[BucketKey] = Counter()  # ... and how often each ran there
         self.failed: dict[BucketKey, str] = {}  # buckets whose capture failed: those steps run eagerly
         self.pool = None
         device, vocab = model.device, model.config.vocab_size
@@ -293,16 +296,15 @@ class StepGraphs:
         captured = g is None and self.capture
         self._runs_since_evict += 1
         self._runs += 1
+        self._note_recent(key)
         if g is not None:
             self.graphs.move_to_end(key)
         else:
             if len(self.graphs) >= self.max_graphs:
                 # a working set larger than the set would re-capture at every step (two warm-up forwards and a
                 # capture each): at most one eviction per EVICT_EVERY runs, new buckets run eagerly in between;
-                # a least recently used graph idle for STALE_RUNS_PER_GRAPH x max_graphs runs goes at once
-                lru = next(iter(self.graphs))
-                idle = self._runs - self._last_run.get(lru, 0)
-                if self._runs_since_evict < EVICT_EVERY and idle < STALE_RUNS_PER_GRAPH * self.max_graphs:
+                # after a change of load (_load_changed) the earlier load's graphs go at once
+                if self._runs_since_evict < EVICT_EVERY and not self._load_changed():
                     return None
                 while len(self.graphs) >= self.max_graphs:
                     self._evict()
@@ -313,7 +315,6 @@ class StepGraphs:
                 log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
                 return None
             self.graphs[key] = g
-        self._last_run[key] = self._runs
         lens, pad_lens = self._stage(g, key, blocks, context_lens, page_rows, slots, write, extra_rows)
         bt, b, r, n = g.batch, len(blocks), g.layout.r, sum(lens)
         if not self.capture:  # eager on the same static batch (CPU tests)
@@ -389,6 +390,21 @@ class StepGraphs:
             i -= 1
         return lens
 
+    def _note_recent(self, key: BucketKey) -> None:
+        """Counts `key` in the window of the last STALE_RUNS_PER_GRAPH x max_graphs runs."""
+        self._recent.append(key)
+        self._recent_count[key] += 1
+        if len(self._recent) > STALE_RUNS_PER_GRAPH * self.max_graphs:
+            old = self._recent.popleft()
+            self._recent_count[old] -= 1
+            if not self._recent_count[old]:
+                del self._recent_count[old]
+
+    def _load_changed(self) -> bool:
+        """The buckets of the recent window fit in the set and its least recently used graph is none of them."""
+        lru = next(iter(self.graphs))
+        return lru not in self._recent_count and len(self._recent_count) <= self.max_graphs
+
     def _evict(self) -> None:
         """Drops the least recently used graph (a long-running server meets more buckets than it keeps: batch x
         tokens x block x page-table width). Its memory goes back to the shared pool for the next capture, so the
@@ -396,7 +412,6 @@ class StepGraphs:
         if self.capture:
             torch.cuda.current_stream().synchronize()
         key, _ = self.graphs.popitem(last=False)
-        self._last_run.pop(key, None)
         self.evictions += 1
         self._runs_since_evict = 0
         log.info("CUDA graph bucket %s dropped to make room (max_graphs=%d)", key, self.max_graphs)
