@@ -131,6 +131,20 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask=None, sha
     return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared, stats)
 
 
+def fused_moe_add_rmsnorm(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared, stats, residual,
+                         norm_weight, eps):
+    """fused_moe, then add_rmsnorm(residual, out, norm_weight, eps): (s, rmsnorm(s)) for s = residual + the experts
+    (kernels.moe.fused_moe_add_rmsnorm_ref). The Triton path sums each token's expert rows, adds the residual and
+    normalizes in one launch (one fewer than fused_moe + add_rmsnorm; the same values)."""
+    if use_triton(x):
+        from kernels.moe_triton import fused_moe_add_rmsnorm_triton
+        return fused_moe_add_rmsnorm_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared, stats,
+                                            residual, norm_weight, eps)
+    from kernels.moe import fused_moe_add_rmsnorm_ref
+    return fused_moe_add_rmsnorm_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared, stats,
+                                     residual, norm_weight, eps)
+
+
 def write_kv(k, v, k_cache, v_cache, page_table, positions, request_of_row):
     """This step's keys/values into their pages (kernels.attention.write_kv_ref)."""
     from kernels.attention import write_kv_ref

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.norm import add_rmsnorm_ref
+
 
 ROUTER_LOGITS_MAX_N = 64  # tokens up to which the Triton path computes router logits in one kernel
 
@@ -104,6 +106,26 @@ def fused_moe_ref(
         out.index_add_(0, rows, y.to(out.dtype))
         start += n
     return out
+
+
+def fused_moe_add_rmsnorm_ref(
+    x: Tensor,  # [N, H] the MoE's input
+    w_gate_up: Tensor,  # [E, 2I, H]
+    w_down: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [N, k]
+    topk_ids: Tensor,  # [N, k] int64
+    token_mask: Tensor | None,  # [N] bool or None
+    shared: tuple[Tensor, Tensor] | None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E, or None
+    stats: tuple[Tensor, Tensor | None] | None,  # out: (distinct [] int64, counts [E] int64 or None), or None
+    residual: Tensor,  # [N, H]
+    norm_weight: Tensor,  # [H]
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """The end of a fused MoE layer and the next layer's input norm: fused_moe_ref (its `stats` too), then
+    kernels.norm.add_rmsnorm_ref(residual, out, norm_weight, eps) -> (s, rmsnorm(s)), s = residual + out [N, H].
+    (The Triton version sums the experts' rows, adds and normalizes in one launch.)"""
+    out = fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, shared, stats)
+    return add_rmsnorm_ref(residual, out, norm_weight, eps)
 
 
 def router_correction_ref(topk_ids: Tensor, extra_rows: Tensor, num_experts: int) -> Tensor:

@@ -19,19 +19,24 @@ CUDA graph (every grid is sized from shapes only, with an upper bound on the wor
 3. `_moe_down_kernel`: grouped GEMM over the down weights, times the routing weight, written to the
    assignment's own row of y [N*k, H] (no atomics, deterministic).
 4. `_moe_reduce_kernel`: out[n] = sum_j y[n*k + j] (0 for masked tokens). Optionally (FUSE_REDUCE_MAX_NK, off
-   by default) the last down program of each column slice does this instead.
+   by default) the last down program of each column slice does this instead. Where the layer's residual add and
+   the next layer's input norm follow (fused_moe_add_rmsnorm_triton), `_moe_reduce_rmsnorm_kernel` does the same
+   sum, the add and the norm in one launch instead of this one and kernels/norm_triton.py's.
 
 The shared expert as one more expert (`shared=` of fused_moe_triton, route_triton(..., shared=True)): id E reads
 the shared expert's own tensors (a base pointer picked per block, `_expert_weights`; its own intermediate size
-I_s by masks), so a MoE layer at few tokens is router logits, route, gate/up, down, reduce and the residual + norm,
-with no shared-expert kernels of its own. A masked token keeps its shared slot (grouped, and added by the reduce):
-every row gets what the shared expert computed apart gives it, and the shared weights are read for the batch anyway.
+I_s by masks), so a MoE layer at few tokens is router logits, route, gate/up, down, and the reduce with the
+residual + norm (one kernel where a norm follows, fused_moe_add_rmsnorm_triton), with no shared-expert kernels of
+its own. A masked token keeps its shared slot (grouped, and added by the reduce): every row gets what the shared
+expert computed apart gives it, and the shared weights are read for the batch anyway.
 
 Every touched expert's weights are read once per n-tile; the blocks of one expert sit next to each other in
 the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles from L2, not HBM.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -565,8 +570,28 @@ def _moe_down_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. sum over each token's k assignments
+# 4. sum over each token's k assignments (4b: the same sum with the residual add and the next RMSNorm)
 # ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _sum_assignments(y_ptr, mask_ptr, topk_ids_ptr, tok, h, hmask, E, H, TOP_K: tl.constexpr,
+                     HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr):
+    """fp32 sum over token `tok`'s TOP_K rows of y [N*K, H] (contiguous) at columns h [BLOCK_H], in slot order
+    j = 0..TOP_K-1; 0 where hmask is False. A masked token's routed rows were never written and count 0; with
+    SHARED its shared slot (id E - 1) was computed and counts. One helper for both reduce kernels: the same sum."""
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + tok) != 0  # masked tokens: their (routed) rows of y were never written
+        if not SHARED:
+            hmask = hmask & keep
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        jmask = hmask
+        if HAS_MASK:
+            if SHARED:  # a masked token's shared slot was computed
+                jmask = hmask & (keep | (tl.load(topk_ids_ptr + tok * TOP_K + j) == E - 1))
+        acc += tl.load(y_ptr + (tok * TOP_K + j) * H + h, mask=jmask, other=0.0).to(tl.float32)
+    return acc
+
+
 @triton.jit
 def _moe_reduce_kernel(
     y_ptr,  # [N*K, H]
@@ -584,19 +609,50 @@ def _moe_reduce_kernel(
     pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = h < H
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + tok) != 0  # masked tokens: their (routed) rows of y were never written
-        if not SHARED:
-            hmask = hmask & keep
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(TOP_K):
-        jmask = hmask
-        if HAS_MASK:
-            if SHARED:  # a masked token's shared slot was computed
-                jmask = hmask & (keep | (tl.load(topk_ids_ptr + tok * TOP_K + j) == E - 1))
-        acc += tl.load(y_ptr + (tok * TOP_K + j) * H + h, mask=jmask, other=0.0).to(tl.float32)
+    acc = _sum_assignments(y_ptr, mask_ptr, topk_ids_ptr, tok, h, h < H, E, H, TOP_K, HAS_MASK, BLOCK_H,
+                           SHARED)  # [BLOCK_H] fp32
     tl.store(out_ptr + tok * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+@triton.jit
+def _moe_reduce_rmsnorm_kernel(
+    y_ptr,  # [N*K, H] one row per assignment (the down kernel's)
+    mask_ptr,  # [N] int8 or dummy
+    topk_ids_ptr,  # [N*K] (SHARED with HAS_MASK only)
+    x_ptr,  # [N, H] the residual, rows stride_x apart
+    w_ptr,  # [H] the norm's weight
+    s_ptr,  # [N, H] out: x + the token's expert sum, rows stride_s apart
+    o_ptr,  # [N, H] out: rmsnorm(s), rows stride_o apart
+    E,  # expert ids 0..E-1, the shared expert's E - 1 (SHARED only)
+    H,
+    stride_x,
+    stride_s,
+    stride_o,
+    eps,
+    TOP_K: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= H: one program holds the token's whole row (the norm needs all of it)
+    SHARED: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+):
+    """`_moe_reduce_kernel` then kernels/norm_triton.py's `_residual_rmsnorm_kernel` (MOE=False) in one launch, one
+    program per token: the end of a MoE layer and the next layer's input norm, one kernel fewer per layer. Every
+    rounding of the two-kernel path is kept: the expert sum (fp32, slot order) rounds to y's dtype (the reduce's
+    [N, H] output), s = x + that rounds to x's dtype, the norm runs on s as stored."""
+    pdl_prologue(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < H
+    acc = _sum_assignments(y_ptr, mask_ptr, topk_ids_ptr, tok, h, hmask, E, H, TOP_K, HAS_MASK, BLOCK_H,
+                           SHARED)  # [BLOCK_H] fp32
+    moe = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the reduce kernel stores its sum in the activation dtype
+    x = tl.load(x_ptr + tok * stride_x + h, mask=hmask, other=0.0)  # [BLOCK_H]
+    s = (x.to(tl.float32) + moe).to(x.dtype)
+    tl.store(s_ptr + tok * stride_s + h, s, mask=hmask)
+    sf = s.to(tl.float32)
+    w = tl.load(w_ptr + h, mask=hmask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
+    tl.store(o_ptr + tok * stride_o + h, (sf * rstd * (1.0 + w)).to(o_ptr.dtype.element_ty), mask=hmask)
 
 
 _stats_dummies: dict = {}
@@ -724,6 +780,18 @@ FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this
 _counters: dict = {}
 
 
+class MoeRows(NamedTuple):
+    """fused_moe_triton(..., reduce=False): the down kernel's per-assignment rows and what summing them needs
+    (the arguments of `_sum_assignments`)."""
+
+    y: Tensor  # [N*k, H] row n*k + j: topk_weights[n, j] times expert topk_ids[n, j]'s output for token n
+    mask: Tensor  # [N] int8 token mask as the kernels read it (a dummy without one)
+    ids: Tensor  # [N*k] expert ids (the flat topk_ids)
+    num_ids: int  # expert ids 0..num_ids-1 (with the shared expert: E + 1, its id E)
+    has_mask: bool
+    shared: bool
+
+
 def _reduce_counters(device: torch.device, n: int) -> Tensor:
     """Zeroed int32 counters the fused-reduce down kernel leaves at zero (one set per device: calls on one
     device must not run concurrently on different streams)."""
@@ -744,7 +812,8 @@ def fused_moe_triton(
     config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
     shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
     stats: tuple[Tensor, Tensor | None] | None = None,  # out: (distinct [] int64, counts [E] int64 or None)
-) -> Tensor:
+    reduce: bool = True,  # False: no reduce launch; returns MoeRows (the caller's kernel sums each token's rows)
+) -> Tensor | MoeRows:
     """sum_j topk_weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = topk_ids[n, j]. Returns [N, H].
 
     As fused_moe_ref, on the device without a host sync (graph-capturable). With `shared`, id E is one more
@@ -758,15 +827,27 @@ def fused_moe_triton(
     the routed slots of unmasked tokens: the distinct experts 0..E-1 they touch and, unless counts is None, their
     count per expert) from the histogram it computes anyway: program (0, 0) of the gate/up kernel where the
     grouping runs inside it, else the align kernel's one program; no launch of their own (a runtime flag, not a
-    constexpr: no extra compiles)."""
+    constexpr: no extra compiles).
+
+    `reduce=False`: stops after the down kernel and returns MoeRows (y [N*k, H], one weighted row per assignment,
+    and what a reduction of them needs), for a caller whose own kernel sums each token's rows
+    (fused_moe_add_rmsnorm_triton). The down kernel's own reduction (config "fuse_reduce") is then off; asking
+    for both is an error."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w_gate_up.shape
     inter = two_i // 2
     dev = x.device
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
+    cfg = dict(config or {})
+    if not reduce and cfg.get("fuse_reduce"):
+        raise ValueError("fused_moe_triton: config fuse_reduce=True (the down kernel sums each token's rows into "
+                         "[N, H]) and reduce=False (the caller sums the rows of y) exclude each other")
     if num_tokens == 0:
         _zero_stats(stats)
-        return out
+        if not reduce:
+            y0 = torch.empty(0, hidden, dtype=x.dtype, device=dev)
+            return MoeRows(y0, y0, topk_ids.reshape(-1), num_experts + (shared is not None), token_mask is not None,
+                           shared is not None)
+        return torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
@@ -785,12 +866,11 @@ def fused_moe_triton(
     ids = topk_ids.reshape(-1).contiguous()  # [NK]
     rw = topk_weights.reshape(-1).contiguous()  # [NK]
     nk = ids.numel()
-    cfg = dict(config or {})
     block_m = cfg.get("block_m") or moe_block_m(num_tokens, max(routed_k, 1), num_experts)
     tiles = {**MOE_CONFIGS[block_m if block_m in MOE_CONFIGS else 64], **cfg}
     fuse_align = cfg.get("fuse_align", num_tokens * routed_k <= FUSE_ALIGN_MAX_NK)
     fuse_reduce = cfg.get("fuse_reduce", num_tokens * routed_k <= FUSE_REDUCE_MAX_NK)
-    if shared is not None and token_mask is not None:
+    if (shared is not None and token_mask is not None) or not reduce:
         fuse_reduce = False  # the separate reduce adds a masked token's shared slot (the down kernel's does not)
     max_blocks = triton.cdiv(nk, block_m) + min(ids_total, nk)
     max_rows = max_blocks * block_m
@@ -821,6 +901,7 @@ def fused_moe_triton(
         SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_args(x.device))
 
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev) if reduce else y  # [N, H] (y: never written)
     bn, bk, warps, stages = tiles["down"]
     bk = min(bk, max(16, triton.next_power_of_2(inter_max)))
     grid_n = triton.cdiv(hidden, bn)
@@ -832,9 +913,48 @@ def fused_moe_triton(
         FENCE=fuse_reduce and x.is_cuda, RED_T=16, SHARED=shared is not None, num_warps=warps, num_stages=stages,
         **pdl_args(h.device))
 
+    if not reduce:
+        return MoeRows(y, mask, ids, ids_total, has_mask, shared is not None)
     if not fuse_reduce:
         block_h = min(1024, triton.next_power_of_2(hidden))
         _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             y, mask, out, ids, ids_total, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h,
             SHARED=shared is not None, num_warps=4, **pdl_args(y.device))
     return out
+
+
+def fused_moe_add_rmsnorm_triton(
+    x: Tensor,  # [N, H] the MoE's input
+    w_gate_up: Tensor,  # [E, 2I, H]
+    w_down: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [N, k]
+    topk_ids: Tensor,  # [N, k] int64
+    token_mask: Tensor | None,  # [N] bool or None
+    shared: tuple[Tensor, Tensor] | None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E, or None
+    stats: tuple[Tensor, Tensor | None] | None,  # out: (distinct [] int64, counts [E] int64 or None), or None
+    residual: Tensor,  # [N, H]
+    norm_weight: Tensor,  # [H]
+    eps: float,
+    config: dict | None = None,  # fused_moe_triton's (its "fuse_reduce" must stay off)
+) -> tuple[Tensor, Tensor]:
+    """kernels.moe.fused_moe_add_rmsnorm_ref: (s, rmsnorm(s)) with s = residual + fused_moe(...), each [N, H] in
+    the residual's dtype. fused_moe_triton without its reduce launch, then `_moe_reduce_rmsnorm_kernel` sums each
+    token's rows, adds the residual and normalizes (one launch where fused_moe + add_rmsnorm took two), with the
+    two-kernel path's roundings: the same values. The routing statistics as fused_moe_triton's."""
+    n, hidden = topk_ids.shape[0], x.shape[-1]
+    if residual.shape != (n, hidden) or norm_weight.shape != (hidden,):
+        raise ValueError(f"fused_moe_add_rmsnorm: residual {tuple(residual.shape)} and norm weight "
+                         f"{tuple(norm_weight.shape)} do not match [{n}, {hidden}]")
+    rows = fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, token_mask, config=config, shared=shared,
+                            stats=stats, reduce=False)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    norm_weight = norm_weight.contiguous()
+    s = torch.empty(n, hidden, dtype=residual.dtype, device=residual.device)
+    out = torch.empty(n, hidden, dtype=residual.dtype, device=residual.device)
+    if n:
+        block_h = triton.next_power_of_2(hidden)
+        _moe_reduce_rmsnorm_kernel[(n,)](
+            rows.y, rows.mask, rows.ids, residual, norm_weight, s, out, rows.num_ids, hidden, residual.stride(0),
+            s.stride(0), out.stride(0), float(eps), TOP_K=topk_ids.shape[1], HAS_MASK=rows.has_mask,
+            BLOCK_H=block_h, SHARED=rows.shared, num_warps=4 if block_h <= 1024 else 8, **pdl_args(rows.y.device))
+    return s, out

@@ -310,6 +310,9 @@ class SparseMoe(nn.Module):
     # per layer in MoEContext.mask_for; expert parallelism keeps that kernel. HYBRIDSPEC_MOE_FUSED_STATS=0 (read at
     # import) for A/B runs: the separate kernel everywhere
     FUSED_STATS = os.environ.get("HYBRIDSPEC_MOE_FUSED_STATS", "1") != "0"
+    # the fused path's expert sum, residual add and next norm in one kernel (dispatch.fused_moe_add_rmsnorm);
+    # HYBRIDSPEC_MOE_REDUCE_NORM=0 (read at import) keeps the reduce and the residual + norm apart, for A/B runs
+    REDUCE_NORM = os.environ.get("HYBRIDSPEC_MOE_REDUCE_NORM", "1") != "0"
 
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
@@ -375,11 +378,16 @@ class SparseMoe(nn.Module):
     def _forward_fused(self, x: Tensor, ctx: MoEContext | None, residual: Tensor | None,
                        norm: "RMSNorm | None") -> Tensor | tuple[Tensor, Tensor]:
         """`forward` with the shared expert as expert id E of the fused MoE: router logits, route, the expert
-        launches, then the residual add (+ norm). The router correction and the routing statistics see the k
-        routed slots only."""
+        launches, then the residual add (+ norm). With a residual and a norm the experts' reduction, the add and
+        the norm are one launch (dispatch.fused_moe_add_rmsnorm: the same values as fused_moe + add_rmsnorm). The
+        router correction and the routing statistics see the k routed slots only."""
         weights, ids = self.route_shared(x)  # [N, k + 1]
         num_experts = self.experts.gate_up_proj.shape[0]
         token_mask, stats = self._mask_stats(ctx, ids[:, :self.top_k], num_experts)
+        if residual is not None and norm is not None and self.REDUCE_NORM:  # the sum, the add and the norm: one kernel
+            return dispatch.fused_moe_add_rmsnorm(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                                                  token_mask, self.shared_weights(), stats, residual, norm.weight,
+                                                  norm.eps)
         out = dispatch.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, token_mask,
                                  shared=self.shared_weights(), stats=stats)
         if residual is None:
