@@ -154,7 +154,6 @@ class StepGraphs:
         self.graphs: OrderedDict[BucketKey, _Graph] = OrderedDict()  # least recently used first
         self.evictions = 0  # graphs dropped to make room (max_graphs) for a new bucket
         self._runs_since_evict = EVICT_EVERY
-        self._runs = 0  # runs of this set so far
         self._recent: deque[BucketKey] = deque()  # the buckets of the last STALE_RUNS_PER_GRAPH x max_graphs runs
         self._recent_count: Counter[BucketKey] = Counter()  # ... and how often each ran there
         self.failed: dict[BucketKey, str] = {}  # buckets whose capture failed: those steps run eagerly
@@ -295,7 +294,6 @@ class StepGraphs:
         g = self.graphs.get(key)
         captured = g is None and self.capture
         self._runs_since_evict += 1
-        self._runs += 1
         self._note_recent(key)
         if g is not None:
             self.graphs.move_to_end(key)
