@@ -331,6 +331,7 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
             float(np.percentile([ms for _, ms in v], q)) for q in (10, 50, 90)] + [sum(t for t, _ in v) / len(v)]
             for (b, d), v in sorted(cyc.items())}
         row["gate_dropped_cycles"] = policy.gate_dropped  # never read: their events re-recorded first
+        row["gate_hint_misses"] = policy.gate_hint_misses  # drafted by the gate after a draft-cap hint of 0
         # mean device ms after a [speculative, plain] step's end mark that no cycle holds, and their counts
         row["gate_between_ms"] = [[t[0] / t[1] if t[1] else None, t[1]] for t in
                                   (policy.gate_between.get(s, (0.0, 0)) for s in (True, False))]

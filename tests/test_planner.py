@@ -531,6 +531,30 @@ def test_speculation_gate_follows_measured_goodput_and_probes():
     assert [gate.should_draft(1) for _ in range(3)] == [True] * 3 and 1 not in gate.inherited
 
 
+def test_speculation_gate_peeks_its_next_verdict_without_counting_it():
+    """would_draft (the runner's draft-cap hint) answers what should_draft will, and counts nothing: over a run
+    with probes, sampled and unsampled steps, and both sides winning in turn, every peek matches the decision."""
+    import random
+
+    from workers.policy import SpeculationGate
+
+    rng = random.Random(0)
+    gate = SpeculationGate()
+    assert gate.would_draft(4) and not gate.samples  # an unmet bucket: drafts (and nothing was counted)
+    matched = drafted = 0
+    for step in range(600):
+        spec_ms = 12.0 if (step // 150) % 2 else 30.0  # speculation wins, then loses, and so on
+        sampled = rng.random() < 0.5
+        state = (dict(gate.asked), list(gate.decisions), dict(gate.samples))
+        peek = gate.would_draft(4, plain_hint=0.25, sampled=sampled)
+        assert state == (dict(gate.asked), list(gate.decisions), dict(gate.samples))
+        draft = gate.should_draft(4, plain_hint=0.25, sampled=sampled)
+        matched += peek == draft
+        drafted += draft
+        gate.observe(4, draft, 12 if draft else 4, spec_ms if draft else 10.0)
+    assert matched == 600 and 0 < drafted < 600
+
+
 def test_speculation_gate_margin_gives_near_ties_to_plain_decoding(monkeypatch):
     """SPEC_MARGIN: speculation must beat plain decoding's rate by that fraction to win a measured bucket."""
     from workers.policy import SpeculationGate
@@ -814,7 +838,8 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
     assert res.tokens == [t[:16] for t in greedy] and gate.samples == before
     # each decode step reports hybridspec's own cap on drafts at its batch size to the scheduler, and the scheduler
     # reserves no more for the next step; a step with a prefill reports nothing. Recent plans of 3 at this bucket:
-    # a cap of 3 + DRAFT_MARGIN, under max_verify_len
+    # a cap of 3 + DRAFT_MARGIN, under max_verify_len. (The gate's peek is held at "drafts" here: where it says the
+    # next step decodes plainly the hint is 0, tests/test_speculative.py checks that.)
     from collections import deque
 
     from workers.policy import DRAFT_MARGIN, DRAFT_WINDOW
@@ -825,16 +850,18 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
 
     def execute(work):
         result = real(work)
-        steps.append((work, result, runner.policy.draft_cap(len(work))))  # the policy's cap as the step left it
+        # the policy's cap as the step left it, and whether the gate's peek said the next step decodes plainly
+        steps.append((work, result, runner.policy.draft_cap(len(work)), runner._hinted_plain))
         return result
 
     runner.execute = execute
+    runner.policy.drafts_next = lambda contexts, sampled=True: True
     serve(runner, prompts, 12, 8, page_size, num_pages, "hybridspec", keep_policy=True)
-    del runner.execute
+    del runner.execute, runner.policy.drafts_next
     decodes = []
-    for work, result, cap in steps:
+    for work, result, cap, plain in steps:
         if all(len(w.tokens) == 1 and w.context_len > 0 for w in work):
-            assert result.draft_cap_hint == (runner.policy.max_verify_len if cap is None else cap)
+            assert result.draft_cap_hint == (0 if plain else runner.policy.max_verify_len if cap is None else cap)
             decodes.append((work, result.draft_cap_hint))
         else:
             assert result.draft_cap_hint is None

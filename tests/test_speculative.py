@@ -722,3 +722,39 @@ def test_the_runner_times_each_drafting_for_hybridspec(reference, monkeypatch):
     assert all(ms is None for rows, ms in reported if not rows)  # nothing drafted: not a sample
     assert runner.policy.draft_costs and all(cost.measured for cost in runner.policy.draft_costs.values())
     assert runner.policy.rest_overhead_ms and all(v >= 0 for v in runner.policy.rest_overhead_ms.values())
+
+
+def test_the_gate_reserves_no_draft_pages_for_steps_it_decodes_plainly(monkeypatch):
+    """Where hybridspec's gate has measured plain decoding faster (replay acceptance 0: a drafted step yields one
+    token for more time), the runner's draft-cap hint is 0 for the steps the gate will decode plainly, so the
+    scheduler reserves no draft pages for them; the gate's probes still come (a hint > 0 before each), and the
+    output stays identical."""
+    prompts, max_new = ["def f(x):\n    return x\n", "abcabcabc"], [160, 150]
+    reference = [r.token_ids for r in LLM().generate(prompts, [params(n) for n in max_new])]
+    llm = LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.0)
+    for prompt, ref in zip(prompts, reference):
+        llm.set_replay_reference(prompt, ref)
+    runner = llm.engine.executor.runner
+    steps = []  # (decode only, max draft cap asked, drafted, hint returned, batch size)
+    execute = runner.execute
+
+    def spy(requests):
+        result = execute(requests)
+        steps.append((all(len(r.tokens) == 1 and r.context_len > 0 for r in requests),
+                      max(r.draft_cap for r in requests), bool(result.draft_tokens), result.draft_cap_hint,
+                      len(requests)))
+        return result
+    monkeypatch.setattr(runner, "execute", spy)
+    assert [r.token_ids for r in llm.generate(prompts, [params(n) for n in max_new])] == reference
+    hinted = [i for i, s in enumerate(steps) if s[3] == 0]
+    assert len(hinted) > len(steps) // 3, steps  # most steps once plain decoding has won
+    after = [steps[i + 1] for i in hinted if i + 1 < len(steps) and steps[i + 1][0]]
+    assert after and all(cap == 0 and not drafted for _, cap, drafted, _, _ in after)  # nothing reserved, no drafts
+    # the gate's probes of speculation still come: steps that asked the drafter again (the plan may then verify
+    # nothing at this acceptance), each announced by the hint of the step before
+    probes = [i for i, s in enumerate(steps) if s[1] > 0 and i > hinted[0] + 1]
+    assert probes and all(steps[i - 1][3] != 0 for i in probes), steps
+    # a peek misses only where the next step's batch differs: here once, when the first request finished (the
+    # one-request bucket had not measured plain decoding: its first step drafts, but nothing was reserved)
+    sizes = [s[4] for s in steps if s[0]]
+    assert runner.policy.gate_hint_misses <= sum(a != b for a, b in zip(sizes, sizes[1:]))

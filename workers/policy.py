@@ -222,22 +222,34 @@ class SpeculationGate:
         the next timed step)."""
         b = self.bucket(batch_size)
         self._inherit(b)
+        draft, measured, probe = self._verdict(b, plain_hint, sampled)
+        if measured:
+            self.asked[b] = 0 if probe else self.asked.get(b, 0) + 1  # steps since the last probe
+        self.decisions[draft] += 1
+        return draft
+
+    def would_draft(self, batch_size: int, plain_hint: float | None = None, sampled: bool = True) -> bool:
+        """should_draft's answer for the next step at this batch size, counting nothing (the runner's draft-cap
+        hint: the scheduler reserves draft pages only for a step that will draft). A bucket met for the first
+        time answers True (its inherited verdict is settled when the step comes)."""
+        b = self.bucket(batch_size)
+        if (b, True) not in self.samples and (b, False) not in self.samples:
+            return True
+        return self._verdict(b, plain_hint, sampled)[0]
+
+    def _verdict(self, b: int, plain_hint: float | None, sampled: bool) -> tuple[bool, bool, bool]:
+        """(draft, measured: both sides measured, probe: this step probes the losing side) for the next step of
+        bucket b."""
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
         ahead = plain_hint is not None and spec_n > 0 and self.rate[(b, True)] > self.HINT_MARGIN * plain_hint
         if spec_n < self.MIN_SAMPLES:
-            draft = True
-        elif plain_n < self.MIN_SAMPLES:
-            draft = ahead  # clearly ahead of even an optimistic plain step: plain decoding is not explored
-        else:
-            self.asked[b] = self.asked.get(b, 0) + 1  # steps since the last probe
-            spec, plain = self.rate[(b, True)], self.rate[(b, False)]
-            spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
-            probe = sampled and self.asked[b] >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
-            if probe:
-                self.asked[b] = 0
-            draft = spec_wins != probe
-        self.decisions[draft] += 1
-        return draft
+            return True, False, False
+        if plain_n < self.MIN_SAMPLES:
+            return ahead, False, False  # clearly ahead of even an optimistic plain step: plain is not explored
+        spec, plain = self.rate[(b, True)], self.rate[(b, False)]
+        spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
+        probe = sampled and self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
+        return spec_wins != probe, True, probe
 
     def probe_spacing(self, b: int, spec: float, plain: float, ahead: bool) -> int:
         """Steps between probes of the losing side: PROBE, times the loser's gap to the winner in GAP_UNITs (a
@@ -362,6 +374,9 @@ class LengthPolicy:
         # the next cycle starts, which no cycle holds, by whether that step drafted: [sum ms, count]
         self.gate_between: dict[bool, list[float]] = {}
         self.gate_dropped = 0  # the gate's cycles never read: their CUDA events were re-recorded first (_StepEnds)
+        # steps the gate chose to draft after the runner's draft-cap hint had said it would not (no drafts were
+        # reserved: they decode plainly; a verdict that changed between the peek and the step)
+        self.gate_hint_misses = 0
         # hybridspec plans the drafter's block (width_plan): per batch-size bucket, the drafter's measured ms by
         # rows drafted, and the rest of a drafted step beyond its forward and its drafting (EWMA); kept by every
         # drafting policy (the others only report them)
@@ -428,12 +443,22 @@ class LengthPolicy:
         `sampled`: whether the step's cycle is timed."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
+        return self.gate.should_draft(len(contexts), self._plain_hint(contexts), sampled)
+
+    def drafts_next(self, contexts: list[int], sampled: bool = True) -> bool:
+        """should_draft's answer for a next step of these contexts, counting nothing (SpeculationGate.would_draft)."""
+        if self.gate is None or not self.warm():
+            return True
+        return self.gate.would_draft(len(contexts), self._plain_hint(contexts), sampled)
+
+    def _plain_hint(self, contexts: list[int]) -> float | None:
+        """The latency model's plain step of len(contexts) tokens as output tokens per ms per request (the gate's
+        optimistic plain rate), its expected distinct experts from the cached table (the estimator's own sum over
+        layers x experts is ~0.3 ms of Python, every step)."""
         b = len(contexts)
-        # the model's plain step of b tokens, its expected distinct experts from the cached table (the estimator's
-        # own sum over layers x experts is ~0.3 ms of Python, every step)
         experts = self._distinct_upto(b)[b] if self.num_moe_layers else 0.0
         plain_ms = self.latency.predict_features([1.0, float(b), experts, float(b), float(sum(contexts))])
-        return self.gate.should_draft(b, 1.0 / plain_ms if plain_ms > 0 else None, sampled)  # per request
+        return 1.0 / plain_ms if plain_ms > 0 else None
 
     def observe_outcome(self, batch_size: int, drafted: bool, tokens: int, step_ms: float,
                         forward_ms: float | None = None) -> float | None:

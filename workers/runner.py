@@ -217,6 +217,7 @@ class ModelRunner:
         afresh (no cycle of the last policy's steps reaches this one's gate)."""
         self.flush_learning()
         self.policy = policy
+        self._hinted_plain = False  # the last step's draft-cap hint was 0 (the gate's peeked verdict: plain)
         self._ends = _StepEnds(self.device)
         self._ends.between = policy.gate_between  # the diagnostic accumulates over the policy's runs
 
@@ -362,9 +363,14 @@ class ModelRunner:
         spec = [i for i, r in enumerate(requests)
                 if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0]
         decode_only = all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
-        if spec and self.drafter is not None and decode_only and \
+        # hybridspec's gate: plain decoding measured faster than speculation at this batch size. After a step whose
+        # draft-cap hint was 0 (the gate's verdict for this step, peeked: no draft pages reserved) the gate still
+        # decides, so that its probes come due; a verdict that changed meanwhile finds no drafts (a plain step)
+        if self.drafter is not None and decode_only and (spec or self._hinted_plain) and \
                 not self.policy.should_draft([r.context_len for r in requests], self._ends.sampling):
-            spec = []  # hybridspec's gate: plain decoding measured faster than speculation at this batch size
+            spec = []
+        elif not spec and self._hinted_plain and decode_only:
+            self.policy.gate_hint_misses += 1
         if self.drafter is not None and self.policy.name != "ar" and spec:
             cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
             draft_reqs = [self._draft_request(requests[i], cap) for i in spec]
@@ -520,14 +526,21 @@ class ModelRunner:
             for cycle in self._ends.step_ended(start, ended, end, sample):
                 self.policy.observe_cycle(*cycle)
             self.policy.gate_dropped += self._ends.take_dropped()
-        if decode_only and self.drafter is not None and self.policy.name != "ar":
-            cap = self.policy.draft_cap(len(requests))  # at this batch size: the scheduler's next reservation
-            result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
         if gated:
             self._ends.resumed(self.policy.wants_cycle(len(requests)))
+        self._hinted_plain = False
+        if decode_only and self.drafter is not None and self.policy.name != "ar":
+            # the scheduler's next reservation: the drafts per request worth drafting at this batch size, none
+            # where the gate will decode the next step plainly (its reserved pages would go back unused, and
+            # longer page tables can move the step to a wider graph bucket)
+            cap = self.policy.draft_cap(len(requests))
+            result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
+            if gated and not self.policy.drafts_next([r.context_len + keep[i] for i, r in enumerate(requests)],
+                                                     self._ends.sampling):
+                result.draft_cap_hint, self._hinted_plain = 0, True
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
