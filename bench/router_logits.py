@@ -20,12 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 32, 64)
+# (BLOCK_E, BLOCK_K, warps) of the CUDA-core kernel for --sweep: a whole 2048-wide row a step (the weight read
+# before the PDL wait in one go) against the 512 of the default
+SWEEP_TILES = [(2, 512, 4), (2, 1024, 4), (2, 2048, 4), (2, 2048, 8), (1, 2048, 4), (1, 2048, 2), (4, 1024, 4),
+               (4, 2048, 8), (2, 1024, 2), (1, 1024, 2)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
+    ap.add_argument("--sweep", action="store_true", help="time the CUDA-core kernel's tiles (SWEEP_TILES) at N=1, 2, 4")
     args = ap.parse_args()
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit runs
@@ -41,14 +46,38 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     weights = [torch.randn(E, H, device=dev, generator=gen).to(dt) for _ in range(layers)]
 
-    def gemv(x, w):
+    def gemv(x, w, tiles=None, early=0, pdl=False):
         out = torch.empty(x.shape[0], E, dtype=torch.float32, device=dev)
         bn = triton.next_power_of_2(x.shape[0])
-        bk = 512 if bn <= 4 else 256 if bn <= 8 else 128
-        MT._router_logits_kernel[(triton.cdiv(E, MT.ROUTER_GEMV_BLOCK_E),)](
-            x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), 0, BLOCK_N=bn, BLOCK_E=MT.ROUTER_GEMV_BLOCK_E,
-            BLOCK_K=bk, DOT=False, IEEE=False, num_warps=4)
+        be, bk, warps = tiles or MT.ROUTER_GEMV_TILES.get(bn, (2, 512 if bn <= 4 else 256 if bn <= 8 else 128, 4))
+        MT._router_logits_kernel[(triton.cdiv(E, be),)](
+            x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), early, BLOCK_N=bn, BLOCK_E=be,
+            BLOCK_K=min(bk, triton.next_power_of_2(H)), DOT=False, IEEE=False, num_warps=warps,
+            **(pdl_args(x.device) if pdl else {}))
         return out
+
+    if args.sweep:  # the CUDA-core kernel's tiles at 1, 2, 4 tokens as a step launches it (PDL, early weight reads)
+        from bench.gpu_timing import graph_time
+        from kernels.pdl import pdl_args
+
+        sweep = []
+        for n in (1, 2, 4):
+            x = torch.randn(n, H, device=dev, generator=gen).to(dt)
+            ref = router_logits_ref(x, weights[0]).double()
+            for tiles in SWEEP_TILES:
+                if n == 4 and tiles[1] > 1024 and tiles[0] > 2:
+                    continue  # [4, BE, BK] fp32 products beyond the registers
+                out = gemv(x, weights[0], tiles, 1, True).double()
+                err = ((out - ref).norm() / ref.norm()).item()
+                us = graph_time([lambda w=w: gemv(x, w, tiles, 1, True) for w in weights])
+                sweep.append({"N": n, "tiles": tiles, "us": us, "rel_err": err})
+                print(f"N={n} BE={tiles[0]} BK={tiles[1]} warps={tiles[2]}: {us:6.2f} us  err {err:.1e}", flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "router_logits_sweep.json").write_text(json.dumps(sweep, indent=1))
+        for n in (1, 2, 4):
+            best = min((r for r in sweep if r["N"] == n and r["rel_err"] < 1e-3), key=lambda r: r["us"])
+            print(f"best N={n}: {best['tiles']} {best['us']:.2f} us")
+        return
 
     def dot(x, w):
         out = torch.empty(x.shape[0], E, dtype=torch.float32, device=dev)

@@ -36,6 +36,7 @@ the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles f
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -98,14 +99,35 @@ def _router_logits_kernel(
 
 
 ROUTER_GEMV_MAX_N = 4  # up to this many tokens the router logits take the CUDA-core kernel (tl.dot beyond)
-ROUTER_GEMV_BLOCK_E = 2  # experts a program there: 128 programs for 256 experts
+
+
+def _env_tiles(name: str, default: dict[int, tuple[int, int, int]]) -> dict[int, tuple[int, int, int]]:
+    """{BLOCK_N: (BLOCK_E, BLOCK_K, warps)} from the environment variable `name` ("1:2x2048x4,4:2x512x4"), else
+    `default`: A/B runs without a code change."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return {int(n): tuple(int(v) for v in t.split("x")) for n, t in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected comma-separated BLOCK_N:BLOCK_ExBLOCK_Kxwarps, e.g. "
+                         "1:2x2048x4") from None
+
+
+# the CUDA-core kernel's tiles by BLOCK_N (the token count's power of two): (experts a program, K a step, warps).
+# 2 experts a program: 128 programs for 256 experts. The whole 2048-wide row in one step: inside a captured step
+# a program reads all its weights before the PDL wait (early_reads), while the kernel before it runs; after the
+# wait only x. H200 (bench/router_logits.py --sweep, 40 calls in a graph, PDL, early reads): 3.82 -> 1.40 us at
+# N=1, 3.87 -> 1.55 at 2, 4.29 -> 1.80 at 4 against 512 a step; the graphed AR step at B=1 -0.10 to -0.12 ms
+# (bench/NOTES.md). HYBRIDSPEC_ROUTER_GEMV_TILES overrides them (read at import: "1:2x512x4,...")
+ROUTER_GEMV_TILES = _env_tiles("HYBRIDSPEC_ROUTER_GEMV_TILES", {1: (2, 2048, 4), 2: (2, 2048, 4), 4: (2, 2048, 4)})
 
 
 def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
     """kernels.moe.router_logits_ref for N <= ROUTER_LOGITS_MAX_N tokens in one launch: the fp32 copy of x (a
     kernel per MoE layer) and the fp32 GEMV over an fp32 copy of the router's weights (2 MB a layer) become one
-    kernel reading the bf16 weights (1 MB). Up to ROUTER_GEMV_MAX_N tokens ROUTER_GEMV_BLOCK_E experts a program
-    on the CUDA cores (the tl.dot kernel's 16 experts a program left 16 programs for 256 experts: latency-bound,
+    kernel reading the bf16 weights (1 MB). Up to ROUTER_GEMV_MAX_N tokens a few experts a program
+    (ROUTER_GEMV_TILES) on the CUDA cores (the tl.dot kernel's 16 experts a program left 16 programs for 256 experts: latency-bound,
     6.1 us a layer at N=1 on the H200; 5.0 us on the CUDA cores, but 24.6 us at N=16, 03a1322), beyond that 16
     experts a program with tl.dot (bench/router_logits.py times both). Larger N: the reference (cuBLAS)."""
     n, h = x.shape
@@ -118,11 +140,12 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
     out = torch.empty(n, e, dtype=torch.float32, device=x.device)
     if n <= ROUTER_GEMV_MAX_N:
         block_n = triton.next_power_of_2(n)
-        block_e = ROUTER_GEMV_BLOCK_E
-        block_k = 512  # [BN <= 4, BE, BK] products in registers (bench/router_logits.py sizes larger N apart)
+        # [BN <= 4, BE, BK] products in registers (bench/router_logits.py --sweep times the tiles)
+        block_e, block_k, warps = ROUTER_GEMV_TILES[block_n]
         _router_logits_kernel[(triton.cdiv(e, block_e),)](
             x, weight, out, n, e, h, x.stride(0), weight.stride(0), early, BLOCK_N=block_n, BLOCK_E=block_e,
-            BLOCK_K=block_k, DOT=False, IEEE=False, num_warps=4, **pdl_args(x.device))
+            BLOCK_K=min(block_k, triton.next_power_of_2(h)), DOT=False, IEEE=False, num_warps=warps,
+            **pdl_args(x.device))
         return out
     block_e = 16
     _router_logits_kernel[(triton.cdiv(e, block_e),)](
