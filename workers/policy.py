@@ -16,6 +16,7 @@ seen enough steps it explores with `fixed` lengths (an online start-up profile).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -216,8 +217,10 @@ class SpeculationGate:
         self.ticks[b] = self.ticks.get(b, 0) + 1
         return self.ticks[b] % self.SAMPLE_EVERY == 0
 
-    def should_draft(self, batch_size: int, plain_hint: float | None = None, sampled: bool = True) -> bool:
-        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms per request. `sampled`:
+    def should_draft(self, batch_size: int, plain_hint: float | None | Callable[[], float | None] = None,
+                     sampled: bool = True) -> bool:
+        """plain_hint: an optimistic estimate of plain decoding's output tokens per ms per request (or a function
+        returning it, called only where the verdict needs it). `sampled`:
         whether this step's cycle is timed (wants_sample); an untimed step never probes (a due probe waits for
         the next timed step)."""
         b = self.bucket(batch_size)
@@ -228,7 +231,8 @@ class SpeculationGate:
         self.decisions[draft] += 1
         return draft
 
-    def would_draft(self, batch_size: int, plain_hint: float | None = None, sampled: bool = True) -> bool:
+    def would_draft(self, batch_size: int, plain_hint: float | None | Callable[[], float | None] = None,
+                    sampled: bool = True) -> bool:
         """should_draft's answer for the next step at this batch size, counting nothing (the runner's draft-cap
         hint: the scheduler reserves draft pages only for a step that will draft). A bucket met for the first
         time answers True (its inherited verdict is settled when the step comes)."""
@@ -237,18 +241,24 @@ class SpeculationGate:
             return True
         return self._verdict(b, plain_hint, sampled)[0]
 
-    def _verdict(self, b: int, plain_hint: float | None, sampled: bool) -> tuple[bool, bool, bool]:
+    def _verdict(self, b: int, plain_hint: float | None | Callable[[], float | None],
+                 sampled: bool) -> tuple[bool, bool, bool]:
         """(draft, measured: both sides measured, probe: this step probes the losing side) for the next step of
-        bucket b."""
+        bucket b. `plain_hint` may be a function: it is called only where the verdict needs it (not while plain
+        decoding wins a measured bucket: most plain steps skip the latency model's prediction)."""
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
-        ahead = plain_hint is not None and spec_n > 0 and self.rate[(b, True)] > self.HINT_MARGIN * plain_hint
+
+        def ahead() -> bool:  # clearly ahead of even an optimistic plain step
+            hint = plain_hint() if callable(plain_hint) else plain_hint
+            return hint is not None and spec_n > 0 and self.rate[(b, True)] > self.HINT_MARGIN * hint
+
         if spec_n < self.MIN_SAMPLES:
             return True, False, False
         if plain_n < self.MIN_SAMPLES:
-            return ahead, False, False  # clearly ahead of even an optimistic plain step: plain is not explored
+            return ahead(), False, False  # plain decoding is not explored where speculation is clearly ahead
         spec, plain = self.rate[(b, True)], self.rate[(b, False)]
         spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
-        probe = sampled and self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, spec_wins and ahead)
+        probe = sampled and self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, spec_wins and ahead())
         return spec_wins != probe, True, probe
 
     def probe_spacing(self, b: int, spec: float, plain: float, ahead: bool) -> int:
@@ -443,13 +453,13 @@ class LengthPolicy:
         `sampled`: whether the step's cycle is timed."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
-        return self.gate.should_draft(len(contexts), self._plain_hint(contexts), sampled)
+        return self.gate.should_draft(len(contexts), lambda: self._plain_hint(contexts), sampled)
 
     def drafts_next(self, contexts: list[int], sampled: bool = True) -> bool:
         """should_draft's answer for a next step of these contexts, counting nothing (SpeculationGate.would_draft)."""
         if self.gate is None or not self.warm():
             return True
-        return self.gate.would_draft(len(contexts), self._plain_hint(contexts), sampled)
+        return self.gate.would_draft(len(contexts), lambda: self._plain_hint(contexts), sampled)
 
     def _plain_hint(self, contexts: list[int]) -> float | None:
         """The latency model's plain step of len(contexts) tokens as output tokens per ms per request (the gate's
