@@ -205,6 +205,15 @@ def _route_kernel(
         tl.store(ids_ptr + row * ROW_OUT + TOP_K, E.to(tl.int64))
 
 
+# warps of the route kernel and of the MoE's reduce + norm kernel (None: the rule at their launch; bench/small_kernels.py
+# sets them to sweep). H200, 40 calls in a graph with PDL (`small_kernels_*.json`): the route at N = 1 .. 64 takes
+# 2.48-2.59 us with one warp against 3.33-3.46 with the four it had for 257 experts (its 16 reductions over 512 lanes
+# stay inside a warp: no shared-memory round trips); the MoE tail at N = 1 / 4 / 16 25.08 / 64.54 / 171.05 us with 16
+# warps for the reduce + norm against 25.74 / 64.71 / 171.80 with 8
+ROUTE_WARPS: int | None = None
+REDUCE_NORM_WARPS: int | None = None
+
+
 def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
                  bias: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor]:
     """router_logits [N, E] (+ bias [E]) -> (weights [N, k] in out_dtype (default the logits' dtype), expert ids
@@ -222,7 +231,7 @@ def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype
     _route_kernel[(n,)](logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0),
                         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
                         HAS_BIAS=bias is not None, SHARED=bool(shared), ROW_OUT=row_out,
-                        num_warps=4 if e_p2 >= 512 else 1, **pdl_args(logits.device))
+                        num_warps=ROUTE_WARPS or 1, **pdl_args(logits.device))
     return weights, ids
 
 
@@ -979,5 +988,6 @@ def fused_moe_add_rmsnorm_triton(
         _moe_reduce_rmsnorm_kernel[(n,)](
             rows.y, rows.mask, rows.ids, residual, norm_weight, s, out, rows.num_ids, hidden, residual.stride(0),
             s.stride(0), out.stride(0), float(eps), TOP_K=topk_ids.shape[1], HAS_MASK=rows.has_mask,
-            BLOCK_H=block_h, SHARED=rows.shared, num_warps=4 if block_h <= 1024 else 8, **pdl_args(rows.y.device))
+            BLOCK_H=block_h, SHARED=rows.shared, num_warps=REDUCE_NORM_WARPS or (4 if block_h <= 1024 else 16),
+            **pdl_args(rows.y.device))
     return s, out

@@ -2,7 +2,8 @@
 time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
 time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the
 MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
-profiler) and bench/router_logits.py (the router's two logits kernels)."""
+profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route and MoE tail
+kernels' warps)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ def test_router_logits_tiny_checks_both_kernels(tmp_path):
     assert report["bad"] == [] and [r["N"] for r in report["rows"]] == [1, 2, 3, 4, 6]
     for r in report["rows"]:
         assert max(r["gemv_rel_err"], r["dot_rel_err"], r["routed_rel_err"]) < 1e-5
+
+
+def test_small_kernels_tiny_checks_every_warp_count(tmp_path):
+    run_script("small_kernels.py", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "small_kernels.json").read_text())
+    assert report["bad"] == [] and {(r["kernel"], r["warps"]) for r in report["rows"]} == {
+        *(("route", w) for w in (1, 2, 4, 8)), *(("moe_tail", w) for w in (2, 4, 8, 16))}
+    assert all(r["equal"] for r in report["rows"])
 
 
 def test_verify_overhead_tiny_times_both_graph_sets(tmp_path):
