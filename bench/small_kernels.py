@@ -6,8 +6,10 @@ hidden 2048) this times, in CUDA graphs of 40 calls on 40 different inputs (with
 - kernels.moe_triton.route_triton (softmax top-k over 257 logits, one program a token) with ROUTE_WARPS 1 / 2 / 4 / 8
   at N = 1, 4, 16, 64;
 - fused_moe_add_rmsnorm_triton (the MoE's grouped GEMMs, then the experts' sum + residual add + next RMSNorm in one
-  program a token) with REDUCE_NORM_WARPS 2 / 4 / 8 / 16 at N = 1, 4, 16: the GEMMs are the same in every variant,
-  so the differences are the reduce + norm kernel's.
+  program a token) with REDUCE_NORM_WARPS 1 .. 16 at N = 1, 4, 16: the GEMMs are the same in every variant, so the
+  differences are the reduce + norm kernel's;
+- kernels.norm_triton's kernels (NORM_WARPS 1 .. 16): the residual add + RMSNorm over the hidden size at N = 1, 4,
+  16, and the per-head RMSNorm of attention's q / k (18 rows of 256 a token) at N = 1, 16.
 Each variant is checked against the default's output (route: equal ids and weights; the tail: equal bits). Writes
 `small_kernels.json` and prints the table. `--tiny` runs the checks on CPU under TRITON_INTERPRET=1 (fp32, tiny
 shapes) and times nothing.
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ROUTE_WARPS = (1, 2, 4, 8)
-NORM_WARPS = (2, 4, 8, 16)
+NORM_WARPS = (1, 2, 4, 8, 16)
 CALLS = 40
 
 
@@ -89,12 +91,40 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         MT.REDUCE_NORM_WARPS = None
 
+    import kernels.norm_triton as NT
+
+    for n in ((1, 3) if args.tiny else (1, 4, 16)):  # the residual add + norm a layer ends with, hidden H
+        xs = [(rnd(n, H), rnd(n, H)) for _ in range(calls)]
+        nw = rnd(H, scale=0.3)
+        ref = NT.add_rmsnorm_triton(*xs[0], nw, 1e-6)
+        for warps in NORM_WARPS:
+            NT.NORM_WARPS = warps
+            got = NT.add_rmsnorm_triton(*xs[0], nw, 1e-6)
+            same = bool(all(torch.equal(a, b) for a, b in zip(got, ref)))
+            us = timed([lambda x=x: NT.add_rmsnorm_triton(*x, nw, 1e-6) for x in xs])
+            rows.append({"kernel": "add_rmsnorm", "N": n, "warps": warps, "us": us, "equal": same})
+            print(json.dumps(rows[-1]), flush=True)
+        NT.NORM_WARPS = None
+    hd = 16 if args.tiny else 256  # attention's q / k norm: one row per head (16 + 2 heads a token at real shapes)
+    for n in ((1, 3) if args.tiny else (1, 16)):
+        xs = [rnd(n * 18, hd) for _ in range(calls)]
+        nw = rnd(hd, scale=0.3)
+        ref = NT.rmsnorm_triton(xs[0], nw, 1e-6)
+        for warps in NORM_WARPS:
+            NT.NORM_WARPS = warps
+            same = bool(torch.equal(NT.rmsnorm_triton(xs[0], nw, 1e-6), ref))
+            us = timed([lambda x=x: NT.rmsnorm_triton(x, nw, 1e-6) for x in xs])
+            rows.append({"kernel": "rmsnorm_head", "N": n, "warps": warps, "us": us, "equal": same})
+            print(json.dumps(rows[-1]), flush=True)
+        NT.NORM_WARPS = None
+
     bad = [r for r in rows if not r["equal"]]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "small_kernels.json").write_text(json.dumps({"rows": rows, "bad": bad}, indent=1))
     if not args.tiny:
         print(f"\n{'kernel':9s} {'N':>3} " + " ".join(f"{'w' + str(w):>7s}" for w in ROUTE_WARPS) + "   (route)")
-        for kernel, warps in (("route", ROUTE_WARPS), ("moe_tail", NORM_WARPS)):
+        for kernel, warps in (("route", ROUTE_WARPS), ("moe_tail", NORM_WARPS), ("add_rmsnorm", NORM_WARPS),
+                              ("rmsnorm_head", NORM_WARPS)):
             for n in sorted({r["N"] for r in rows if r["kernel"] == kernel}):
                 us = {r["warps"]: r["us"] for r in rows if r["kernel"] == kernel and r["N"] == n}
                 print(f"{kernel:9s} {n:>3} " + " ".join(f"{us[w]:7.2f}" for w in warps) + f"   (warps {warps})")

@@ -84,6 +84,14 @@ def _rows(x: Tensor) -> Tensor:
         return x.reshape(-1, d)
 
 
+# warps of the three norm kernels (None: 4 up to 1024 columns, else 8; bench/small_kernels.py sets it to sweep)
+NORM_WARPS: int | None = None
+
+
+def _warps(bd: int) -> int:
+    return NORM_WARPS or (4 if bd <= 1024 else 8)
+
+
 def rmsnorm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Zero-centred RMSNorm (kernels.norm.rmsnorm_ref): x [..., D], weight [D] -> [..., D] in x's dtype."""
     d = x.shape[-1]
@@ -92,7 +100,7 @@ def rmsnorm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x2.shape[0]:
         bd = triton.next_power_of_2(d)
         _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), float(eps), BD=bd,
-                                        num_warps=4 if bd <= 1024 else 8, **pdl_args(x2.device))
+                                        num_warps=_warps(bd), **pdl_args(x2.device))
     return out.view(x.shape)
 
 
@@ -118,7 +126,7 @@ def gated_rmsnorm_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float) ->
         bd = triton.next_power_of_2(d)
         _gated_rmsnorm_kernel[(rows,)](x3, g3, weight, out, d, x3.stride(0), x3.stride(1), g3.stride(0),
                                        g3.stride(1), out.stride(0), x3.shape[1], float(eps), BD=bd,
-                                       num_warps=4 if bd <= 1024 else 8, **pdl_args(x3.device))
+                                       num_warps=_warps(bd), **pdl_args(x3.device))
     return out.view(x.shape)
 
 
@@ -136,7 +144,7 @@ def _residual_rmsnorm(x: Tensor, h: Tensor, gate_logit: Tensor | None, shared: T
         gl, sh = (gate_logit, shared) if moe else (x, x)
         _residual_rmsnorm_kernel[(n,)](x, h, gl, sh, weight, s, out, d, x.stride(0), h.stride(0), gl.stride(0),
                                        sh.stride(0), s.stride(0), out.stride(0), float(eps), MOE=moe, BD=bd,
-                                       num_warps=4 if bd <= 1024 else 8, **pdl_args(x.device))
+                                       num_warps=_warps(bd), **pdl_args(x.device))
     return s, out
 
 

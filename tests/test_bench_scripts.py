@@ -2,8 +2,8 @@
 time): bench/host_profile.py (host time of a step's parts per policy), bench/step_timeline.py (a step's wall vs GPU
 time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the
 MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
-profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route and MoE tail
-kernels' warps)."""
+profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route, MoE tail and
+norm kernels' warps)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def test_small_kernels_tiny_checks_every_warp_count(tmp_path):
     run_script("small_kernels.py", "--out", str(tmp_path))
     report = json.loads((tmp_path / "small_kernels.json").read_text())
     assert report["bad"] == [] and {(r["kernel"], r["warps"]) for r in report["rows"]} == {
-        *(("route", w) for w in (1, 2, 4, 8)), *(("moe_tail", w) for w in (2, 4, 8, 16))}
+        *(("route", w) for w in (1, 2, 4, 8)),
+        *((k, w) for k in ("moe_tail", "add_rmsnorm", "rmsnorm_head") for w in (1, 2, 4, 8, 16))}
     assert all(r["equal"] for r in report["rows"])
 
 
