@@ -102,16 +102,20 @@ ROUTER_GEMV_MAX_N = 4  # up to this many tokens the router logits take the CUDA-
 
 
 def _env_tiles(name: str, default: dict[int, tuple[int, int, int]]) -> dict[int, tuple[int, int, int]]:
-    """{BLOCK_N: (BLOCK_E, BLOCK_K, warps)} from the environment variable `name` ("1:2x2048x4,4:2x512x4"), else
-    `default`: A/B runs without a code change."""
+    """`default` ({BLOCK_N: (BLOCK_E, BLOCK_K, warps)}) with the entries the environment variable `name` sets
+    ("1:2x2048x4,4:2x512x4"): A/B runs without a code change. Keys must be default's, values three powers of two."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
+    usage = (f"{name}={text!r}: expected comma-separated BLOCK_N:BLOCK_ExBLOCK_Kxwarps with BLOCK_N in "
+             f"{sorted(default)} and powers of two, e.g. 1:2x2048x4")
     try:
-        return {int(n): tuple(int(v) for v in t.split("x")) for n, t in (item.split(":") for item in text.split(","))}
+        parsed = {int(n): tuple(int(v) for v in t.split("x")) for n, t in (item.split(":") for item in text.split(","))}
     except ValueError:
-        raise ValueError(f"{name}={text!r}: expected comma-separated BLOCK_N:BLOCK_ExBLOCK_Kxwarps, e.g. "
-                         "1:2x2048x4") from None
+        raise ValueError(usage) from None
+    if any(n not in default or len(t) != 3 or any(v < 1 or v & (v - 1) for v in t) for n, t in parsed.items()):
+        raise ValueError(usage)
+    return {**default, **parsed}
 
 
 # the CUDA-core kernel's tiles by BLOCK_N (the token count's power of two): (experts a program, K a step, warps).
@@ -208,7 +212,8 @@ def _route_kernel(
 # warps of the route kernel and of the MoE's reduce + norm kernel (None: the rule at their launch; bench/small_kernels.py
 # sets them to sweep). H200, 40 calls in a graph with PDL (`small_kernels_*.json`): the route at N = 1 .. 64 takes
 # 2.48-2.59 us with one warp against 3.33-3.46 with the four it had for 257 experts (its 16 reductions over 512 lanes
-# stay inside a warp: no shared-memory round trips); the MoE tail at N = 1 / 4 / 16 25.08 / 64.54 / 171.05 us with 16
+# stay inside a warp: no shared-memory round trips; wider rows, e.g. 512 experts + the shared column, keep four:
+# not measured); the MoE tail at N = 1 / 4 / 16 25.08 / 64.54 / 171.05 us with 16
 # warps for the reduce + norm against 25.74 / 64.71 / 171.80 with 8
 ROUTE_WARPS: int | None = None
 REDUCE_NORM_WARPS: int | None = None
@@ -231,7 +236,7 @@ def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype
     _route_kernel[(n,)](logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0),
                         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, RENORM=bool(renormalize),
                         HAS_BIAS=bias is not None, SHARED=bool(shared), ROW_OUT=row_out,
-                        num_warps=ROUTE_WARPS or 1, **pdl_args(logits.device))
+                        num_warps=ROUTE_WARPS or (1 if e_p2 <= 512 else 4), **pdl_args(logits.device))
     return weights, ids
 
 

@@ -369,7 +369,7 @@ class StepGraphs:
         rows[3:, :n] = _EXTRA0_MASK1  # real rows: not extra (extra_rows below), unmasked
         if n:
             rows[0, :n] = list(itertools.chain.from_iterable(blocks))
-            if n == b:  # plain decode: one token a request at its context length
+            if n == b and max(lens) == 1:  # plain decode: one token a request at its context length
                 rows[1, :n] = context_lens
             else:  # context + offset inside the block
                 rows[1, :n] = np.repeat(np.subtract(context_lens, cu[:b]), lens) + g.row_index[:n]

@@ -207,6 +207,9 @@ class ModelRunner:
         # a step's policy.observe waits for the next step's forward launch (see DEFER_LEARNING)
         self.defer_learning = DEFER_LEARNING and self.device.type == "cuda"
         self._learning: tuple | None = None  # (policy, drafter name, observation, kept counts) not learned yet
+        # the last draft-cap hint reported was 0 (the gate's peeked verdict: plain); kept across steps with a
+        # prefill and across policy swaps, as the scheduler keeps the hint
+        self._hinted_plain = False
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
@@ -217,7 +220,6 @@ class ModelRunner:
         afresh (no cycle of the last policy's steps reaches this one's gate)."""
         self.flush_learning()
         self.policy = policy
-        self._hinted_plain = False  # the last step's draft-cap hint was 0 (the gate's peeked verdict: plain)
         self._ends = _StepEnds(self.device)
         self._ends.between = policy.gate_between  # the diagnostic accumulates over the policy's runs
 
@@ -363,14 +365,20 @@ class ModelRunner:
         spec = [i for i, r in enumerate(requests)
                 if r.sample and len(r.tokens) == 1 and r.context_len > 0 and r.draft_cap > 0]
         decode_only = all(r.sample and len(r.tokens) == 1 and r.context_len > 0 for r in requests)
-        # hybridspec's gate: plain decoding measured faster than speculation at this batch size. After a step whose
-        # draft-cap hint was 0 (the gate's verdict for this step, peeked: no draft pages reserved) the gate still
-        # decides, so that its probes come due; a verdict that changed meanwhile finds no drafts (a plain step)
-        if self.drafter is not None and decode_only and (spec or self._hinted_plain) and \
+        # hybridspec's gate: plain decoding measured faster than speculation at this batch size. After a draft-cap
+        # hint of 0 (the gate's verdict for this step, peeked: no draft pages reserved) the gate still decides plain
+        # steps, so that its probes come due; where its verdict is to draft now (the batch moved to another bucket)
+        # there are no drafts: a plain step that the gate does not count (a due probe stays due, and the next hint
+        # announces it)
+        if self.drafter is not None and decode_only and not spec and self._hinted_plain and self.policy.gate is not None:
+            contexts = [r.context_len for r in requests]
+            if self.policy.drafts_next(contexts, self._ends.sampling):
+                self.policy.gate_hint_misses += 1
+            else:
+                self.policy.should_draft(contexts, self._ends.sampling)  # plain: counted, its probe clock advances
+        elif spec and self.drafter is not None and decode_only and \
                 not self.policy.should_draft([r.context_len for r in requests], self._ends.sampling):
             spec = []
-        elif not spec and self._hinted_plain and decode_only:
-            self.policy.gate_hint_misses += 1
         if self.drafter is not None and self.policy.name != "ar" and spec:
             cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
             draft_reqs = [self._draft_request(requests[i], cap) for i in spec]
@@ -529,18 +537,20 @@ class ModelRunner:
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
-        if gated:
-            self._ends.resumed(self.policy.wants_cycle(len(requests)))
-        self._hinted_plain = False
+        sample_next = gated and self.policy.wants_cycle(len(requests))
         if decode_only and self.drafter is not None and self.policy.name != "ar":
             # the scheduler's next reservation: the drafts per request worth drafting at this batch size, none
             # where the gate will decode the next step plainly (its reserved pages would go back unused, and
-            # longer page tables can move the step to a wider graph bucket)
+            # longer page tables can move the step to a wider graph bucket). A step with a prefill reports no
+            # hint: the scheduler keeps the last one, and so does _hinted_plain
             cap = self.policy.draft_cap(len(requests))
             result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
-            if gated and not self.policy.drafts_next([r.context_len + keep[i] for i, r in enumerate(requests)],
-                                                     self._ends.sampling):
-                result.draft_cap_hint, self._hinted_plain = 0, True
+            self._hinted_plain = gated and not self.policy.drafts_next(
+                [r.context_len + keep[i] for i, r in enumerate(requests)], sample_next or not self._ends.thin)
+            if self._hinted_plain:
+                result.draft_cap_hint = 0
+        if gated:  # (after the hint: its host time is this step's, not the next cycle's)
+            self._ends.resumed(sample_next)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
