@@ -131,9 +131,10 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
     """kernels.moe.router_logits_ref for N <= ROUTER_LOGITS_MAX_N tokens in one launch: the fp32 copy of x (a
     kernel per MoE layer) and the fp32 GEMV over an fp32 copy of the router's weights (2 MB a layer) become one
     kernel reading the bf16 weights (1 MB). Up to ROUTER_GEMV_MAX_N tokens a few experts a program
-    (ROUTER_GEMV_TILES) on the CUDA cores (the tl.dot kernel's 16 experts a program left 16 programs for 256 experts: latency-bound,
-    6.1 us a layer at N=1 on the H200; 5.0 us on the CUDA cores, but 24.6 us at N=16, 03a1322), beyond that 16
-    experts a program with tl.dot (bench/router_logits.py times both). Larger N: the reference (cuBLAS)."""
+    (ROUTER_GEMV_TILES) on the CUDA cores (the tl.dot kernel's 16 experts a program left 16 programs for 256
+    experts: latency-bound, 6.1 us a layer at N=1 on the H200; 5.0 us on the CUDA cores, but 24.6 us at N=16,
+    03a1322), beyond that 16 experts a program with tl.dot (bench/router_logits.py times both). Larger N: the
+    reference (cuBLAS)."""
     n, h = x.shape
     e = weight.shape[0]
     if n > ROUTER_LOGITS_MAX_N or n == 0:
@@ -209,8 +210,8 @@ def _route_kernel(
         tl.store(ids_ptr + row * ROW_OUT + TOP_K, E.to(tl.int64))
 
 
-# warps of the route kernel and of the MoE's reduce + norm kernel (None: the rule at their launch; bench/small_kernels.py
-# sets them to sweep). H200, 40 calls in a graph with PDL (`small_kernels_*.json`): the route at N = 1 .. 64 takes
+# warps of the route kernel and of the MoE's reduce + norm kernel (None: the rule at their launch;
+# bench/small_kernels.py sets them to sweep). H200, 40 calls in a graph with PDL (`small_kernels_*.json`): the route at N = 1 .. 64 takes
 # 2.48-2.59 us with one warp against 3.33-3.46 with the four it had for 257 experts (its 16 reductions over 512 lanes
 # stay inside a warp: no shared-memory round trips; wider rows, e.g. 512 experts + the shared column, keep four:
 # not measured); the MoE tail at N = 1 / 4 / 16 25.08 / 64.54 / 171.05 us with 16

@@ -370,7 +370,8 @@ class ModelRunner:
         # steps, so that its probes come due; where its verdict is to draft now (the batch moved to another bucket)
         # there are no drafts: a plain step that the gate does not count (a due probe stays due, and the next hint
         # announces it)
-        if self.drafter is not None and decode_only and not spec and self._hinted_plain and self.policy.gate is not None:
+        if self.drafter is not None and decode_only and not spec and self._hinted_plain and \
+                self.policy.gate is not None:
             contexts = [r.context_len for r in requests]
             if self.policy.drafts_next(contexts, self._ends.sampling):
                 self.policy.gate_hint_misses += 1
