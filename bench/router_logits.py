@@ -49,7 +49,7 @@ def main() -> None:
     def gemv(x, w, tiles=None, early=0, pdl=False):
         out = torch.empty(x.shape[0], E, dtype=torch.float32, device=dev)
         bn = triton.next_power_of_2(x.shape[0])
-        be, bk, warps = tiles or MT.ROUTER_GEMV_TILES.get(bn, (2, 512 if bn <= 4 else 256 if bn <= 8 else 128, 4))
+        be, bk, warps = tiles or MT.ROUTER_GEMV_TILES.get(bn, (2, 256 if bn <= 8 else 128, 4))
         MT._router_logits_kernel[(triton.cdiv(E, be),)](
             x, w, out, x.shape[0], E, H, x.stride(0), w.stride(0), early, BLOCK_N=bn, BLOCK_E=be,
             BLOCK_K=min(bk, triton.next_power_of_2(H)), DOT=False, IEEE=False, num_warps=warps,

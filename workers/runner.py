@@ -190,7 +190,11 @@ class _StepEnds:
     def resumed(self, sample_next: bool = True) -> None:
         """At the very end of a step: the next step's cycle starts here. On CUDA (`thin`) a next step the gate
         does not sample gets no marks at all (SpeculationGate.SAMPLE_EVERY)."""
-        self.resume = (self.mark(), self.clock()) if sample_next or not self.thin else None
+        self.resume = (self.mark(), self.clock()) if self.samples(sample_next) else None
+
+    def samples(self, sample_next: bool) -> bool:
+        """Whether the next step's cycle is timed (its `sampling`) once resumed(sample_next) has run."""
+        return sample_next or not self.thin
 
 
 class ModelRunner:
@@ -547,7 +551,7 @@ class ModelRunner:
             cap = self.policy.draft_cap(len(requests))
             result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
             self._hinted_plain = gated and not self.policy.drafts_next(
-                [r.context_len + keep[i] for i, r in enumerate(requests)], sample_next or not self._ends.thin)
+                [r.context_len + keep[i] for i, r in enumerate(requests)], self._ends.samples(sample_next))
             if self._hinted_plain:
                 result.draft_cap_hint = 0
         if gated:  # (after the hint: its host time is this step's, not the next cycle's)
