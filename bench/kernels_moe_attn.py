@@ -492,6 +492,92 @@ def attn_checks(log) -> dict:
     return res
 
 
+def attn_prep(log) -> dict:
+    """The attention layer's fused launches in bf16 at real shapes: q/k norm + rope + KV write in one kernel
+    (qk_norm_rope_write) against its reference and the five launches it replaces, and the output gate in the
+    attention kernel's epilogue against attention followed by o * sigmoid(gate). Timings: CUDA graphs of 8 calls
+    over disjoint page sets (the q/gate projection's strided halves as the model passes them)."""
+    from kernels import dispatch
+    from kernels.attention import qk_norm_rope_write_ref
+    from kernels.attention_triton import qk_norm_rope_write_triton
+    res = {"checks": {}, "prep": [], "gated": []}
+    R = HD // 4  # partial rotary: 25% of the head dims
+    for name, q_lens, ctx_lens, plan in [
+        ("verify_ragged_B8", [1, 17, 4, 9, 17, 2, 1, 13], [512, 4096, 777, 2048, 0, 3000, 1, 1500], None),
+        ("verify_ragged_B8_nosplit", [1, 17, 4, 9, 17, 2, 1, 13], [512, 4096, 777, 2048, 0, 3000, 1, 1500],
+         {"splits": 1}),
+        ("decode_B1_4096", [1], [4096], None),
+    ]:
+        case = PagedCase(q_lens, ctx_lens, 1)
+        gate = torch.randn(case.n, HQ, 2 * HD, device=DEV, dtype=DT)[..., HD:] * 2
+        out = paged_attention_triton(case.qs[0], case.k, case.v, case.tables[0], case.cu, case.ctx, HD ** -0.5,
+                                     q_lens, ctx_lens, gate, plan=plan)
+        ref = paged_attention_ref(case.qs[0].float(), case.k.float(), case.v.float(), case.tables[0], case.cu,
+                                  case.ctx, HD ** -0.5, q_lens, ctx_lens, gate.float())
+        res["checks"][f"gated_{name}"] = rel(out, ref)
+        log(f"check gated attn {name}: rel err {res['checks'][f'gated_{name}']:.2e}")
+
+    def prep_inputs(case, copies):
+        n = case.n
+        pos = torch.cat([torch.arange(c, c + t) for c, t in zip(case.ctx_lens, case.q_lens)]).to(DEV)
+        owner = torch.cat([torch.full((t,), i) for i, t in enumerate(case.q_lens)]).to(DEV)
+        ang = pos.float()[:, None] * torch.rand(R // 2, device=DEV)[None, :]
+        cos, sin = torch.cat((ang, ang), -1).cos().to(DT), torch.cat((ang, ang), -1).sin().to(DT)
+        ins = []
+        for _ in range(copies):
+            q = torch.randn(n, HQ, 2 * HD, device=DEV, dtype=DT)[..., :HD]
+            ins.append((q, torch.randn(n, HKV, HD, device=DEV, dtype=DT), torch.randn(n, HKV, HD, device=DEV,
+                                                                                       dtype=DT)))
+        qw, kw = torch.randn(HD, device=DEV, dtype=DT) * 0.1, torch.randn(HD, device=DEV, dtype=DT) * 0.1
+        return pos, owner, cos, sin, ins, qw, kw
+
+    case = PagedCase([3, 17, 1], [100, 40, 0], 1)
+    pos, owner, cos, sin, ins, qw, kw = prep_inputs(case, 1)
+    q, k, v = ins[0]
+    kc, vc = case.k.clone(), case.v.clone()
+    out = qk_norm_rope_write_triton(q, k, v, qw, kw, 1e-6, cos, sin, R, case.k, case.v, case.tables[0], pos, owner)
+    ref = qk_norm_rope_write_ref(q, k, v, qw, kw, 1e-6, cos, sin, R, kc, vc, case.tables[0], pos, owner)
+    res["checks"]["qk_prep_equal"] = bool(torch.equal(out, ref) and torch.equal(kc, case.k)
+                                          and torch.equal(vc, case.v))
+    res["checks"]["qk_prep_rel"] = max(rel(out, ref), rel(case.k, kc))
+    log(f"check qk_norm_rope_write: bit-equal {res['checks']['qk_prep_equal']} rel {res['checks']['qk_prep_rel']:.2e}")
+
+    copies = 8
+    for b, t in [(1, 1), (16, 1), (4, 17), (64, 1), (16, 17)]:
+        case = PagedCase([t] * b, [1000] * b, copies)
+        pos, owner, cos, sin, ins, qw, kw = prep_inputs(case, copies)
+
+        def fused(i):
+            q, k, v = ins[i]
+            qk_norm_rope_write_triton(q, k, v, qw, kw, 1e-6, cos, sin, R, case.k, case.v, case.tables[i], pos,
+                                      owner)
+
+        def apart(i):
+            q, k, v = ins[i]
+            dispatch.rope(dispatch.rmsnorm(q, qw, 1e-6), cos, sin, R)
+            kk = dispatch.rope(dispatch.rmsnorm(k, kw, 1e-6), cos, sin, R)
+            write_kv_triton(kk, v, case.k, case.v, case.tables[i], pos, owner)
+
+        row = {"B": b, "T": t, "fused_us": graph_time([(lambda i=i: fused(i)) for i in range(copies)]),
+               "apart_us": graph_time([(lambda i=i: apart(i)) for i in range(copies)])}
+        res["prep"].append(row)
+        log(f"qk prep B={b} T={t}: fused {row['fused_us']:.2f} us, apart {row['apart_us']:.2f} us")
+        gates = [torch.randn(case.n, HQ, 2 * HD, device=DEV, dtype=DT)[..., HD:] for _ in range(copies)]
+
+        def attn(i, gated):
+            o = paged_attention_triton(case.qs[i], case.k, case.v, case.tables[i], case.cu, case.ctx, HD ** -0.5,
+                                       case.q_lens, case.ctx_lens, gates[i] if gated else None)
+            if not gated:
+                o.reshape(case.n, -1) * torch.sigmoid(gates[i].reshape(case.n, -1))
+
+        row = {"B": b, "T": t, "ctx": 1000,
+               "epilogue_us": graph_time([(lambda i=i: attn(i, True)) for i in range(copies)]),
+               "apart_us": graph_time([(lambda i=i: attn(i, False)) for i in range(copies)])}
+        res["gated"].append(row)
+        log(f"gated attn B={b} T={t} ctx 1000: epilogue {row['epilogue_us']:.2f} us, apart {row['apart_us']:.2f} us")
+    return res
+
+
 def attn_sweep(log) -> dict:
     """Decode/verify tiles per BLOCK_M class, the split policy, and prefill tiles."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -594,7 +680,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated sections to run, e.g. 'shared' (the shared "
                     "expert fused into the MoE vs apart); others: checks_moe, checks_attn, moe_sweep, moe, "
-                    "launch_overhead, moe_breakdown, attn_sweep, attention")
+                    "launch_overhead, moe_breakdown, attn_prep, attn_sweep, attention")
     ap.add_argument("--shared-sizes", default=",".join(map(str, SHARED_SIZES)),
                     help="token counts of the 'shared' section (e.g. 1,64,272,1024 to place SHARED_FUSE_MAX_N)")
     args = ap.parse_args()
@@ -642,6 +728,7 @@ def main() -> None:
     section("checks_moe", lambda: moe_checks(wts, log))
     section("moe_shared_tail", lambda: shared_tail(wts, log, [int(n) for n in args.shared_sizes.split(",")]))
     section("checks_attn", lambda: attn_checks(log))
+    section("attn_prep", lambda: attn_prep(log))
     if not args.no_sweep and (not only or "moe_sweep" in only):
         section("moe_sweep", lambda: moe_sweep(wts, log))
         best = result.get("moe_sweep", {}).get("best")

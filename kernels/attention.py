@@ -43,8 +43,9 @@ def paged_attention_ref(
     scale: float,
     query_lens: list[int],  # host copies of the lengths (the reference loops over requests)
     context_lens_host: list[int],
+    gate: Tensor | None = None,  # [N, H, D] (any row strides): the output gate, o * sigmoid(gate)
 ) -> Tensor:
-    """Returns o [N, H, D] in q's dtype."""
+    """Returns o [N, H, D] in q's dtype (gated: o * sigmoid(gate), each rounded to q's dtype as it is computed)."""
     page_size = k_cache.shape[1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -66,4 +67,30 @@ def paged_attention_ref(
         )
         out[start : start + t_new] = o[0].transpose(0, 1)
         start += t_new
-    return out
+    return out if gate is None else out * torch.sigmoid(gate.to(out.dtype))
+
+
+def qk_norm_rope_write_ref(
+    q: Tensor,  # [N, H, D] (rows may be strided: the query half of a fused q/gate projection)
+    k: Tensor,  # [N, HKV, D]
+    v: Tensor,  # [N, HKV, D]
+    q_weight: Tensor,  # [D] zero-centred RMSNorm weights
+    k_weight: Tensor,  # [D]
+    eps: float,
+    cos: Tensor,  # [N, R] in q's dtype
+    sin: Tensor,
+    rotary_dim: int,
+    k_cache: Tensor,  # [P, page_size, HKV, D]
+    v_cache: Tensor,
+    page_table: Tensor,  # [B, max_pages] int32
+    positions: Tensor,  # [N] int64
+    request_of_row: Tensor,  # [N] int64
+) -> Tensor:
+    """An attention layer's inputs before its attention: q and k RMSNorm'd per head and rotated, this step's k
+    and v written to their pages. Returns q [N, H, D] (new, contiguous)."""
+    from kernels.elementwise import rope_ref
+    from kernels.norm import rmsnorm_ref
+    q = rope_ref(rmsnorm_ref(q, q_weight, eps), cos, sin, rotary_dim)
+    k = rope_ref(rmsnorm_ref(k, k_weight, eps), cos, sin, rotary_dim)
+    write_kv_ref(k, v, k_cache, v_cache, page_table, positions, request_of_row)
+    return q

@@ -99,6 +99,115 @@ def write_kv_triton(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# qk_norm_rope_write: q and k RMSNorm'd per head and rotated, k and v written to their pages, in one launch
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _qk_prep_kernel(
+    q_ptr,  # [N, H, D] (rows may be strided)
+    k_ptr,  # [N, HKV, D]
+    v_ptr,  # [N, HKV, D]
+    qw_ptr,  # [D]
+    kw_ptr,  # [D]
+    cos_ptr,  # [N, R]
+    sin_ptr,
+    qo_ptr,  # [N, H, D] out
+    kc_ptr,  # [P, page_size, HKV, D]
+    vc_ptr,
+    pt_ptr,  # [B, max_pages] int32
+    pos_ptr,  # [N] int64
+    req_ptr,  # [N] int64
+    H,
+    D,
+    s_q0, s_q1, s_k0, s_k1, s_v0, s_v1, s_c, s_qo0, s_qo1,
+    s_kcp, s_kcs, s_kch, s_vcp, s_vcs, s_vch, s_pt,
+    eps,
+    R: tl.constexpr,
+    HALF: tl.constexpr,
+    BD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+):
+    """One program per (token, head) of q's H heads and then k's HKV heads (k's program also moves v's head).
+    Rounds where rmsnorm_ref and rope_ref round: the normalized row once, then after each of rope's ops."""
+    pdl_prologue(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    in_rot = cols < R
+    partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+    is_q = h < H
+    kh = tl.maximum(h - H, 0)
+    if is_q:
+        base = q_ptr + n * s_q0 + h * s_q1
+        w_ptr = qw_ptr
+    else:
+        base = k_ptr + n * s_k0 + kh * s_k1
+        w_ptr = kw_ptr
+    xr = tl.load(base + cols, mask=mask, other=0.0)
+    dt = xr.dtype
+    x = xr.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd * (1.0 + w)).to(dt)  # rmsnorm_ref's output
+    xp = tl.load(base + partner, mask=in_rot, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+    yp = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)  # the partner column's normalized value
+    rotated = tl.where(cols < HALF, -yp, yp).to(dt)
+    c = tl.load(cos_ptr + n * s_c + cols, mask=in_rot, other=0.0)
+    sn = tl.load(sin_ptr + n * s_c + cols, mask=in_rot, other=0.0)
+    t1 = (y.to(tl.float32) * c.to(tl.float32)).to(dt)
+    t2 = (rotated.to(tl.float32) * sn.to(tl.float32)).to(dt)
+    out = tl.where(in_rot, (t1.to(tl.float32) + t2.to(tl.float32)).to(dt), y)
+    if is_q:
+        tl.store(qo_ptr + n * s_qo0 + h * s_qo1 + cols, out, mask=mask)
+    else:
+        pos = tl.load(pos_ptr + n).to(tl.int64)
+        req = tl.load(req_ptr + n).to(tl.int64)
+        page = tl.load(pt_ptr + req * s_pt + pos // PAGE_SIZE).to(tl.int64)
+        off = pos % PAGE_SIZE
+        tl.store(kc_ptr + page * s_kcp + off * s_kcs + kh * s_kch + cols, out.to(kc_ptr.dtype.element_ty), mask=mask)
+        vv = tl.load(v_ptr + n * s_v0 + kh * s_v1 + cols, mask=mask)
+        tl.store(vc_ptr + page * s_vcp + off * s_vcs + kh * s_vch + cols, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rope_write_triton(
+    q: Tensor,  # [N, H, D] (rows may be strided)
+    k: Tensor,  # [N, HKV, D]
+    v: Tensor,  # [N, HKV, D]
+    q_weight: Tensor,  # [D]
+    k_weight: Tensor,  # [D]
+    eps: float,
+    cos: Tensor,  # [N, R]
+    sin: Tensor,
+    rotary_dim: int,
+    k_cache: Tensor,  # [P, page_size, HKV, D]
+    v_cache: Tensor,
+    page_table: Tensor,  # [B, max_pages] int32
+    positions: Tensor,  # [N] int64
+    request_of_row: Tensor,  # [N] int64
+) -> Tensor:
+    """kernels.attention.qk_norm_rope_write_ref in one launch (instead of two norms, two rotations and write_kv).
+    Returns q [N, H, D] (new, contiguous)."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and d <= 8192
+    _qk_prep_kernel[(n, heads + kv_heads)](
+        q, k, v, q_weight, k_weight, cos, sin, out, k_cache, v_cache, page_table, positions, request_of_row,
+        heads, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), float(eps),
+        R=rotary_dim, HALF=rotary_dim // 2, BD=triton.next_power_of_2(d), PAGE_SIZE=k_cache.shape[1],
+        num_warps=1 if d <= 128 else 2, **pdl_args(q.device))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # paged attention
 # ---------------------------------------------------------------------------------------------------------------
 # Compile keys: every launch argument that follows the step's shapes is a runtime value, never specialized (N and
@@ -114,6 +223,7 @@ def _paged_attn_kernel(
     cu_ptr,  # [B+1] int32
     ctx_ptr,  # [B] int32
     o_ptr,  # [N, H, D] (no split)
+    g_ptr,  # [N, H, D] output gate (GATED, no split)
     op_ptr,  # [S, N, H, D] fp32 partial outputs (split)
     lse_ptr,  # [S, N, H] fp32 partial log2-sum-exp2 (split)
     scale_log2,  # softmax scale * log2(e)
@@ -130,6 +240,8 @@ def _paged_attn_kernel(
     stride_pt,
     stride_on,
     stride_oh,
+    stride_gn,
+    stride_gh,
     H: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -139,6 +251,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    GATED: tl.constexpr = False,  # o * sigmoid(gate) (no split; the combine kernel gates split outputs)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_prologue(PDL)
@@ -200,8 +313,22 @@ def _paged_attn_kernel(
             tl.store(lse_ptr + prow * H + head, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf")),
                      mask=rvalid)
         else:
-            tl.store(o_ptr + qrow[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None] & dmask[None, :])
+            omask = rvalid[:, None] & dmask[None, :]
+            o = _gated(o, g_ptr + qrow[:, None] * stride_gn + head[:, None] * stride_gh + d[None, :], omask,
+                       o_ptr.dtype.element_ty, GATED)
+            tl.store(o_ptr + qrow[:, None] * stride_on + head[:, None] * stride_oh + d[None, :], o, mask=omask)
+
+
+@triton.jit
+def _gated(o, g_ptrs, mask, dt: tl.constexpr, GATED: tl.constexpr):
+    """o (fp32) in the output dtype, times sigmoid(gate) where GATED; rounded as paged_attention_ref rounds (the
+    attention output, the sigmoid, then the product)."""
+    o = o.to(dt)
+    if GATED:
+        gf = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-gf))).to(dt)
+        o = (o.to(tl.float32) * sig.to(tl.float32)).to(dt)
+    return o
 
 
 @triton.jit(do_not_specialize=["N", "S"])
@@ -209,14 +336,18 @@ def _combine_kernel(
     op_ptr,  # [S, N, H, D] fp32
     lse_ptr,  # [S, N, H] fp32
     o_ptr,  # [N, H, D]
+    g_ptr,  # [N, H, D] output gate (GATED)
     N,
     S,
     stride_on,
     stride_oh,
+    stride_gn,
+    stride_gh,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # splits per chunk (S is a runtime value: one compiled kernel for every split count)
+    GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_prologue(PDL)
@@ -245,7 +376,8 @@ def _combine_kernel(
         acc += part * w[:, None]
         wsum += w
     o = tl.sum(acc, axis=0) / tl.sum(wsum, axis=0)
-    tl.store(o_ptr + n * stride_on + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
+    o = _gated(o, g_ptr + n * stride_gn + h * stride_gh + d, d < D, o_ptr.dtype.element_ty, GATED)
+    tl.store(o_ptr + n * stride_on + h * stride_oh + d, o, mask=d < D)
 
 
 def _fresh_prefill_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, scale: float,
@@ -331,6 +463,7 @@ def paged_attention_triton(
     scale: float,
     query_lens: list[int] | None = None,  # host copies: size hints only (may be None)
     context_lens_host: list[int] | None = None,
+    gate: Tensor | None = None,  # [N, H, D] (any row strides): o * sigmoid(gate), in the kernel's epilogue
     *,
     plan: dict | None = None,  # override attention_plan (tests, benchmarks)
     prefill_sdpa: bool | None = None,  # None: SDPA when every request is a fresh prompt > SDPA_PREFILL_MIN_LEN
@@ -351,7 +484,11 @@ def paged_attention_triton(
                             and sum(query_lens) == n and not any(context_lens_host)
                             and min(query_lens) > SDPA_PREFILL_MIN_LEN)
     if prefill_sdpa:
-        return _fresh_prefill_sdpa(q, k_cache, v_cache, page_table, scale, query_lens, out)
+        out = _fresh_prefill_sdpa(q, k_cache, v_cache, page_table, scale, query_lens, out)
+        return out if gate is None else out * torch.sigmoid(gate.to(out.dtype))
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    g = out if gate is None else gate
     assert heads % kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     max_q = max(query_lens) if query_lens else n
     if query_lens and context_lens_host:
@@ -371,15 +508,16 @@ def paged_attention_triton(
         o_part = lse = out
     grid = (p["grid_m"], kv_heads * splits, num_requests)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, o_part, lse,
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, g, o_part, lse,
         float(scale) * 1.4426950408889634, n, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), g.stride(0), g.stride(1),
         H=heads, HKV=kv_heads, D=d, BLOCK_D=block_d, TPT=p["tpt"], BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
-        PAGE_SIZE=page_size, SPLIT=splits > 1, num_warps=p["num_warps"], num_stages=p["num_stages"],
-        **pdl_args(q.device))
+        PAGE_SIZE=page_size, SPLIT=splits > 1, GATED=gate is not None and splits == 1, num_warps=p["num_warps"],
+        num_stages=p["num_stages"], **pdl_args(q.device))
     if splits > 1:
-        _combine_kernel[(n, heads)](o_part, lse, out, n, splits, out.stride(0), out.stride(1), H=heads, D=d,
-                                    BLOCK_D=block_d, BLOCK_S=COMBINE_BLOCK_S, num_warps=4, **pdl_args(o_part.device))
+        _combine_kernel[(n, heads)](o_part, lse, out, g, n, splits, out.stride(0), out.stride(1), g.stride(0),
+                                    g.stride(1), H=heads, D=d, BLOCK_D=block_d, BLOCK_S=COMBINE_BLOCK_S,
+                                    GATED=gate is not None, num_warps=4, **pdl_args(o_part.device))
     return out

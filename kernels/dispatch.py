@@ -154,9 +154,23 @@ def write_kv(k, v, k_cache, v_cache, page_table, positions, request_of_row):
     return write_kv_ref(k, v, k_cache, v_cache, page_table, positions, request_of_row)
 
 
+def qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, cos, sin, rotary_dim, k_cache, v_cache, page_table,
+                       positions, request_of_row):
+    """q and k RMSNorm'd per head and rotated, k and v into their pages; returns q
+    (kernels.attention.qk_norm_rope_write_ref; one launch on the Triton path)."""
+    if use_triton(q):
+        from kernels.attention_triton import qk_norm_rope_write_triton
+        return qk_norm_rope_write_triton(q, k, v, q_weight, k_weight, eps, cos, sin, rotary_dim, k_cache, v_cache,
+                                         page_table, positions, request_of_row)
+    from kernels.attention import qk_norm_rope_write_ref
+    return qk_norm_rope_write_ref(q, k, v, q_weight, k_weight, eps, cos, sin, rotary_dim, k_cache, v_cache,
+                                  page_table, positions, request_of_row)
+
+
 def paged_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
-                    context_lens_host):
-    """Causal attention over paged KV, ragged batch, decode/verify/prefill (kernels.attention.paged_attention_ref).
+                    context_lens_host, gate=None):
+    """Causal attention over paged KV, ragged batch, decode/verify/prefill (kernels.attention.paged_attention_ref);
+    `gate` [N, H, D]: the output times sigmoid(gate) (in the kernel's epilogue on the Triton path).
 
     Triton path: query_lens / context_lens_host are size hints only (tile shape, KV splits); under graph capture
     pass the bucket's lengths, results stay right for any lengths at replay."""
@@ -164,9 +178,9 @@ def paged_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, s
     if use_triton(q):
         from kernels.attention_triton import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
-                                      context_lens_host)
+                                      context_lens_host, gate)
     return paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale, query_lens,
-                               context_lens_host)
+                               context_lens_host, gate)
 
 
 # ------------------------------------------------------------------------------------------------ norms (issue 6)

@@ -43,6 +43,7 @@ CASES = [
     "write_kv",
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
+    "attn_gated", "attn_gated_splits", "attn_gated_fresh_prefill_sdpa", "qk_norm_rope_write",
 ]
 
 
@@ -470,14 +471,19 @@ def _checks() -> dict:
 
     checks["write_kv"] = write_case
 
-    def attn_case(q_lens, ctx_lens, plan=None, hints=True, **kw):
+    def attn_case(q_lens, ctx_lens, plan=None, hints=True, gated=False, **kw):
         table, kc, vc, cu, ctx, n, pos, owner = paged_batch(q_lens, ctx_lens)
         q = torch.randn(n, HQ, D)
+        # the gate as the model passes it: the second half of a fused [N, H, 2D] q/gate projection (strided rows)
+        gate = torch.randn(n, HQ, 2 * D)[..., D:] * 3 if gated else None
         scale = D ** -0.5
-        ref = paged_attention_ref(q, kc, vc, table, cu, ctx, scale, list(q_lens), list(ctx_lens))
+        ref = paged_attention_ref(q, kc, vc, table, cu, ctx, scale, list(q_lens), list(ctx_lens), gate)
+        if gated:  # the reference's gating is the model's former o * sigmoid(gate)
+            plain = paged_attention_ref(q, kc, vc, table, cu, ctx, scale, list(q_lens), list(ctx_lens))
+            assert torch.equal(ref, plain * torch.sigmoid(gate))
         if hints:
-            out = paged_attention_triton(q, kc, vc, table, cu, ctx, scale, list(q_lens), list(ctx_lens), plan=plan,
-                                         **kw)
+            out = paged_attention_triton(q, kc, vc, table, cu, ctx, scale, list(q_lens), list(ctx_lens), gate,
+                                         plan=plan, **kw)
         else:
             out = paged_attention_triton(q, kc, vc, table, cu, ctx, scale, None, None, plan=plan)
         return _rel(out, ref)
@@ -493,6 +499,27 @@ def _checks() -> dict:
                                                                         "block_n": 32, "splits": 2})
     checks["attn_fresh_prefill_sdpa"] = lambda: attn_case([70, 81], [0, 0], prefill_sdpa=True)  # fresh prompts
     checks["attn_fresh_prefill_triton"] = lambda: attn_case([70, 81], [0, 0], prefill_sdpa=False)
+    checks["attn_gated"] = lambda: attn_case([1, 5, 17], [0, 7, 30], gated=True)  # the epilogue gates
+    checks["attn_gated_splits"] = lambda: attn_case([1, 5, 17], [0, 7, 30], plan={"splits": 3, "block_n": 16},
+                                                    gated=True)  # the combine kernel gates
+    checks["attn_gated_fresh_prefill_sdpa"] = lambda: attn_case([70, 81], [0, 0], prefill_sdpa=True, gated=True)
+
+    def qk_prep_case():  # ragged rows, a strided q (the fused q/gate projection), partial rotary (R = D / 4)
+        table, kc, vc, cu, ctx, n, pos, owner = paged_batch([1, 5, 17], [0, 7, 30])
+        from kernels.attention import qk_norm_rope_write_ref
+        from kernels.attention_triton import qk_norm_rope_write_triton
+        q = torch.randn(n, HQ, 2 * D)[..., :D] * 2
+        k, v = torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+        qw, kw = torch.randn(D) * 0.1, torch.randn(D) * 0.1
+        r = D // 4
+        ang = pos.float()[:, None] * torch.rand(r // 2)[None, :]
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = qk_norm_rope_write_triton(q, k, v, qw, kw, 1e-6, cos, sin, r, kc, vc, table, pos, owner)
+        ref = qk_norm_rope_write_ref(q, k, v, qw, kw, 1e-6, cos, sin, r, kc2, vc2, table, pos, owner)
+        return max(_rel(out, ref), _rel(kc, kc2), _rel(vc, vc2))
+
+    checks["qk_norm_rope_write"] = qk_prep_case
 
     results = {}
     for name in CASES:

@@ -203,14 +203,15 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x)  # one GEMM for q_proj, k_proj, v_proj
         q, gate = q.view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [N, H, D] each
-        q = self.rope.apply(self.q_norm(q), cos, sin)
-        k = self.rope.apply(self.k_norm(k.view(n, self.kv_heads, self.head_dim)), cos, sin)
-        v = v.view(n, self.kv_heads, self.head_dim)
-        dispatch.write_kv(k, v, kv.k, kv.v, batch.page_table, batch.positions, batch.request_of_row)
+        # q_norm + rope, k_norm + rope, and this step's k, v into their pages: one launch on the Triton path
+        q = dispatch.qk_norm_rope_write(q, k.view(n, self.kv_heads, self.head_dim),
+                                        v.view(n, self.kv_heads, self.head_dim), self.q_norm.weight,
+                                        self.k_norm.weight, self.q_norm.eps, cos, sin, self.rope.rotary_dim, kv.k,
+                                        kv.v, batch.page_table, batch.positions, batch.request_of_row)
         o = dispatch.paged_attention(q, kv.k, kv.v, batch.page_table, batch.cu_seqlens, batch.context_lens,
-                                self.head_dim ** -0.5, batch.query_lens, batch.context_lens_host)  # [N, H, D]
-        o = o.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
-        return self.o_proj(o)
+                                     self.head_dim ** -0.5, batch.query_lens, batch.context_lens_host,
+                                     gate)  # [N, H, D], times sigmoid(gate)
+        return self.o_proj(o.reshape(n, -1))
 
 
 class GatedDeltaNet(nn.Module):
