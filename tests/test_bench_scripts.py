@@ -3,7 +3,7 @@ time): bench/host_profile.py (host time of a step's parts per policy), bench/ste
 time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the
 MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
 profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route, MoE tail and
-norm kernels' warps)."""
+norm kernels' warps) and bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,13 @@ def test_router_logits_tiny_checks_both_kernels(tmp_path):
     assert report["bad"] == [] and [r["N"] for r in report["rows"]] == [1, 2, 3, 4, 6]
     for r in report["rows"]:
         assert max(r["gemv_rel_err"], r["dot_rel_err"], r["routed_rel_err"]) < 1e-5
+
+
+def test_lm_head_tiny_checks_the_recompute_path(tmp_path):
+    run_script("lm_head.py", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "lm_head.json").read_text())
+    assert report["bad"] == [] and [r["M"] for r in report["rows"]] == [1, 3]
+    assert all(r["old_argmax_is_exact"] for r in report["rows"])
 
 
 def test_small_kernels_tiny_checks_every_warp_count(tmp_path):

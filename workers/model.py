@@ -491,6 +491,8 @@ class DecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. `forward` runs one ragged step."""
 
+    LM_HEAD_FP32_OUT = os.environ.get("HYBRIDSPEC_LM_HEAD_FP32_OUT", "1") != "0"  # `logits`: fp32 from the GEMM
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -541,10 +543,13 @@ class HybridModel(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def logits(self, h: Tensor, exact_top: int = 4, out: Tensor | None = None) -> Tensor:
-        """fp32 logits [M, V] (into `out` when given). In bf16 the candidates for the argmax are recomputed in
-        fp32: bf16 logits over a vocabulary of 10^5 tie often, and greedy decoding must not depend on how a
-        kernel breaks the tie."""
+        """fp32 logits [M, V] (into `out` when given). bf16 logits over a vocabulary of 10^5 tie often, and greedy
+        decoding must not depend on how a kernel breaks the tie: on CUDA the GEMM writes fp32 (fp32 sums of the
+        exact bf16 products, one kernel); elsewhere (or HYBRIDSPEC_LM_HEAD_FP32_OUT=0) the bf16 logits' top
+        `exact_top` candidates are recomputed in fp32 (a top-k, a gather and a scatter over the vocabulary)."""
         weight = self.lm_head_weight()
+        if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and self.LM_HEAD_FP32_OUT:
+            return torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)  # [M, V] fp32
         logits = F.linear(h, weight)
         logits = logits.float() if out is None else out.copy_(logits)
         if h.dtype != torch.float32 and h.shape[0] > 0:
