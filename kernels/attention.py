@@ -46,6 +46,9 @@ def paged_attention_ref(
     gate: Tensor | None = None,  # [N, H, D] (any row strides): the output gate, o * sigmoid(gate)
 ) -> Tensor:
     """Returns o [N, H, D] in q's dtype (gated: o * sigmoid(gate), each rounded to q's dtype as it is computed)."""
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"paged_attention: gate must have q's shape {tuple(q.shape)} ([N, H, D]), got "
+                         f"{tuple(gate.shape)}")
     page_size = k_cache.shape[1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

@@ -128,7 +128,10 @@ def _qk_prep_kernel(
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """One program per (token, head) of q's H heads and then k's HKV heads (k's program also moves v's head).
-    Rounds where rmsnorm_ref and rope_ref round: the normalized row once, then after each of rope's ops."""
+    Rounds at the points where rmsnorm_ref and rope_ref round (the normalized row once, then after each of rope's
+    ops), with _rope_kernel's arithmetic. Not bit-equal to the references in bf16 on the H200: ~22% of the rotated
+    elements differ by one bf16 ulp (one pass-through element in 86k, as the separate norm kernel's), v and the
+    cache's other rows exactly equal (bench/NOTES.md, 2026-12-01 21:26 session); origin not located."""
     pdl_prologue(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -325,7 +328,7 @@ def _gated(o, g_ptrs, mask, dt: tl.constexpr, GATED: tl.constexpr):
     attention output, the sigmoid, then the product)."""
     o = o.to(dt)
     if GATED:
-        gf = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        gf = tl.load(g_ptrs, mask=mask, other=0.0).to(dt).to(tl.float32)  # the gate in o's dtype, as the reference
         sig = (1.0 / (1.0 + tl.exp(-gf))).to(dt)
         o = (o.to(tl.float32) * sig.to(tl.float32)).to(dt)
     return o
@@ -473,6 +476,9 @@ def paged_attention_triton(
     Exception: a batch of fresh prompts only (every context length 0 and every query longer than
     SDPA_PREFILL_MIN_LEN, by the host lists) goes to torch SDPA per request (flash, is_causal), which was faster
     than this kernel for long prompts on the H200; that path uses the host lengths and is not for graph capture."""
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"paged_attention: gate must have q's shape {tuple(q.shape)} ([N, H, D]), got "
+                         f"{tuple(gate.shape)}")
     n, heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_requests = cu_seqlens.numel() - 1

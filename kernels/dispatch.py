@@ -145,15 +145,6 @@ def fused_moe_add_rmsnorm(x, w_gate_up, w_down, topk_weights, topk_ids, token_ma
                                      residual, norm_weight, eps)
 
 
-def write_kv(k, v, k_cache, v_cache, page_table, positions, request_of_row):
-    """This step's keys/values into their pages (kernels.attention.write_kv_ref)."""
-    from kernels.attention import write_kv_ref
-    if use_triton(k):
-        from kernels.attention_triton import write_kv_triton
-        return write_kv_triton(k, v, k_cache, v_cache, page_table, positions, request_of_row)
-    return write_kv_ref(k, v, k_cache, v_cache, page_table, positions, request_of_row)
-
-
 def qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, cos, sin, rotary_dim, k_cache, v_cache, page_table,
                        positions, request_of_row):
     """q and k RMSNorm'd per head and rotated, k and v into their pages; returns q

@@ -282,18 +282,16 @@ def run_sweep(rec: SpecRecorder, max_batch: int = 64, max_t: int = 17, max_ctx: 
         dispatch.rmsnorm(x, norm_w, 1e-6)
         # attention layer
         qkv = torch.empty(n, hq * 2 * d + 2 * hkv * d, dtype=dt, device=dev)
-        q = qkv[:, : hq * 2 * d].view(n, hq, 2 * d)[..., :d]
+        q, gate = qkv[:, : hq * 2 * d].view(n, hq, 2 * d).chunk(2, dim=-1)  # as workers/model.py Attention
         kk = qkv[:, hq * 2 * d: hq * 2 * d + hkv * d].view(n, hkv, d)
         vv = qkv[:, hq * 2 * d + hkv * d:].view(n, hkv, d)
-        qn = dispatch.rmsnorm(q, norm_w[:d], 1e-6)
         cos = torch.empty(n, rot, dtype=dt, device=dev)
-        qr = dispatch.rope(qn, cos, cos, rot)
-        kr = dispatch.rope(dispatch.rmsnorm(kk, norm_w[:d], 1e-6), cos, cos, rot)
         pt = torch.empty(b, max_ctx // page + 2, dtype=torch.int32, device=dev)
         pos = torch.empty(n, dtype=torch.int64, device=dev)
-        dispatch.write_kv(kr, vv, kc, vc, pt, pos, pos)
+        qr = dispatch.qk_norm_rope_write(q, kk, vv, norm_w[:d], norm_w[:d], 1e-6, cos, cos, rot, kc, vc, pt, pos,
+                                         pos)
         dispatch.paged_attention(qr, kc, vc, pt, cu, torch.empty(b, dtype=torch.int32, device=dev), d ** -0.5,
-                                 lens, ctxs)
+                                 lens, ctxs, gate)
         # GDN layer
         proj = torch.empty(n, conv_dim + hv * dv + 2 * hv, dtype=dt, device=dev)
         conv_in, z = proj[:, :conv_dim], proj[:, conv_dim: conv_dim + hv * dv]

@@ -44,6 +44,7 @@ CASES = [
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
     "attn_gated", "attn_gated_splits", "attn_gated_fresh_prefill_sdpa", "qk_norm_rope_write",
+    "qk_norm_rope_write_full_rotary_fused_kv", "qk_norm_rope_write_d80_no_rows", "attn_gate_shape_refused",
 ]
 
 
@@ -504,22 +505,49 @@ def _checks() -> dict:
                                                     gated=True)  # the combine kernel gates
     checks["attn_gated_fresh_prefill_sdpa"] = lambda: attn_case([70, 81], [0, 0], prefill_sdpa=True, gated=True)
 
-    def qk_prep_case():  # ragged rows, a strided q (the fused q/gate projection), partial rotary (R = D / 4)
-        table, kc, vc, cu, ctx, n, pos, owner = paged_batch([1, 5, 17], [0, 7, 30])
+    def qk_prep_case(d=D, r=D // 4, fused_kv=False, n_rows=None):
+        """Ragged rows, a strided q (the fused q/gate projection), partial rotary (R = D / 4 by default);
+        fused_kv: k and v as column slices of one [N, 2 HKV D] projection; n_rows=0: no rows at all."""
         from kernels.attention import qk_norm_rope_write_ref
         from kernels.attention_triton import qk_norm_rope_write_triton
-        q = torch.randn(n, HQ, 2 * D)[..., :D] * 2
-        k, v = torch.randn(n, HKV, D), torch.randn(n, HKV, D)
-        qw, kw = torch.randn(D) * 0.1, torch.randn(D) * 0.1
-        r = D // 4
+        q_lens, ctx_lens = ([1, 5, 17], [0, 7, 30]) if n_rows is None else ([0], [3])
+        table, _, _, cu, ctx, n, pos, owner = paged_batch(q_lens, ctx_lens)
+        kc, vc = torch.randn(table.numel() + 3, PS, HKV, d), torch.randn(table.numel() + 3, PS, HKV, d)
+        q = torch.randn(n, HQ, 2 * d)[..., :d] * 2
+        if fused_kv:
+            kv = torch.randn(n, 2 * HKV * d + 8)
+            k, v = kv[:, :HKV * d].view(n, HKV, d), kv[:, HKV * d: 2 * HKV * d].view(n, HKV, d)
+        else:
+            k, v = torch.randn(n, HKV, d), torch.randn(n, HKV, d)
+        qw, kw = torch.randn(d) * 0.1, torch.randn(d) * 0.1
         ang = pos.float()[:, None] * torch.rand(r // 2)[None, :]
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
         kc2, vc2 = kc.clone(), vc.clone()
         out = qk_norm_rope_write_triton(q, k, v, qw, kw, 1e-6, cos, sin, r, kc, vc, table, pos, owner)
         ref = qk_norm_rope_write_ref(q, k, v, qw, kw, 1e-6, cos, sin, r, kc2, vc2, table, pos, owner)
-        return max(_rel(out, ref), _rel(kc, kc2), _rel(vc, vc2))
+        if out.shape != (n, HQ, d):
+            return f"shape {tuple(out.shape)}"
+        return max(_rel(out, ref) if n else 0.0, _rel(kc, kc2), _rel(vc, vc2))
 
     checks["qk_norm_rope_write"] = qk_prep_case
+    # every dim rotated, k/v read in place from one projection; a head dim that is not a power of two; no rows
+    checks["qk_norm_rope_write_full_rotary_fused_kv"] = lambda: qk_prep_case(r=D, fused_kv=True)
+    checks["qk_norm_rope_write_d80_no_rows"] = lambda: max(qk_prep_case(d=80, r=20), qk_prep_case(n_rows=0))
+
+    def gate_shape_case():  # a gate of another shape (e.g. the [N, H * D] the model once multiplied) is refused
+        table, kc, vc, cu, ctx, n, pos, owner = paged_batch([1, 5], [3, 0])
+        q = torch.randn(n, HQ, D)
+        for fn in (paged_attention_ref, paged_attention_triton):
+            try:
+                fn(q, kc, vc, table, cu, ctx, D ** -0.5, [1, 5], [3, 0], torch.randn(n, HQ * D))
+            except ValueError as e:
+                if "gate" not in str(e):
+                    return str(e)
+                continue
+            return f"{fn.__name__}: no error for a [N, H * D] gate"
+        return 0.0
+
+    checks["attn_gate_shape_refused"] = gate_shape_case
 
     results = {}
     for name in CASES:

@@ -178,10 +178,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, R]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [N, heads, D]; cos/sin [N, R] (kernels.elementwise.rope_ref)."""
-        return dispatch.rope(x, cos, sin, self.rotary_dim)
-
 
 class Attention(nn.Module):
     """Gated full attention: GQA, q/k RMSNorm, partial rotary, sigmoid output gate, paged KV."""
