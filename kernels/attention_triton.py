@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from kernels.pdl import pdl_args, pdl_prologue
+from kernels.rounding import REFERENCE_ROUNDING
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,10 +129,8 @@ def _qk_prep_kernel(
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """One program per (token, head) of q's H heads and then k's HKV heads (k's program also moves v's head).
-    Rounds at the points where rmsnorm_ref and rope_ref round (the normalized row once, then after each of rope's
-    ops), with _rope_kernel's arithmetic. Not bit-equal to the references in bf16 on the H200: ~22% of the rotated
-    elements differ by one bf16 ulp (one pass-through element in 86k, as the separate norm kernel's), v and the
-    cache's other rows exactly equal (bench/NOTES.md, 2026-12-01 21:26 session); origin not located."""
+    Rounds where rmsnorm_ref and rope_ref round (the normalized row once, then after each of rope's ops; launched
+    with kernels.rounding.REFERENCE_ROUNDING: with fp fusion, rope's second product went unrounded into an fma)."""
     pdl_prologue(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -206,7 +205,7 @@ def qk_norm_rope_write_triton(
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), float(eps),
         R=rotary_dim, HALF=rotary_dim // 2, BD=triton.next_power_of_2(d), PAGE_SIZE=k_cache.shape[1],
-        num_warps=1 if d <= 128 else 2, **pdl_args(q.device))
+        num_warps=1 if d <= 128 else 2, **REFERENCE_ROUNDING, **pdl_args(q.device))
     return out
 
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from kernels.pdl import pdl_args, pdl_prologue
+from kernels.rounding import REFERENCE_ROUNDING
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def rope_triton(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
         _rope_kernel[(n * heads,)](x, cos, sin, out, heads, d, x.stride(0), x.stride(1), cos.stride(0),
                                    out.stride(0), out.stride(1), R=rotary_dim, HALF=rotary_dim // 2,
                                    BD=triton.next_power_of_2(d),
-                                   num_warps=1 if d <= 128 else 2, **pdl_args(x.device))
+                                   num_warps=1 if d <= 128 else 2, **REFERENCE_ROUNDING, **pdl_args(x.device))
     return out
 
 
@@ -135,5 +136,6 @@ def moe_residual_triton(x: Tensor, routed: Tensor, gate_logit: Tensor, shared: T
         bh = min(1024, triton.next_power_of_2(h))
         _moe_residual_kernel[(n, triton.cdiv(h, bh))](x, routed, gate_logit, shared, out, h, x.stride(0),
                                                       routed.stride(0), gate_logit.stride(0), shared.stride(0),
-                                                      out.stride(0), BH=bh, num_warps=4, **pdl_args(x.device))
+                                                      out.stride(0), BH=bh, num_warps=4, **REFERENCE_ROUNDING,
+                                                      **pdl_args(x.device))
     return out

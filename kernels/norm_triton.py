@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from kernels.pdl import pdl_args, pdl_prologue
+from kernels.rounding import REFERENCE_ROUNDING
 
 
 @triton.jit
@@ -144,7 +145,8 @@ def _residual_rmsnorm(x: Tensor, h: Tensor, gate_logit: Tensor | None, shared: T
         gl, sh = (gate_logit, shared) if moe else (x, x)
         _residual_rmsnorm_kernel[(n,)](x, h, gl, sh, weight, s, out, d, x.stride(0), h.stride(0), gl.stride(0),
                                        sh.stride(0), s.stride(0), out.stride(0), float(eps), MOE=moe, BD=bd,
-                                       num_warps=_warps(bd), **pdl_args(x.device))
+                                       num_warps=_warps(bd), **(REFERENCE_ROUNDING if moe else {}),
+                                       **pdl_args(x.device))  # (MOE: h + gate * sh, each op rounded)
     return s, out
 
 
