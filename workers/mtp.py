@@ -84,7 +84,7 @@ class _HeadStep(nn.Module):
         n = batch.input_ids.shape[0]
         embed = F.embedding(batch.input_ids, self.target.model.embed_tokens.weight)
         m = self.head(embed, self.hidden_in[:n], batch, cache, moe)
-        logits = all_rows_into.copy_(F.linear(m, self.target.lm_head_weight()))
+        logits = self.target.logits(m, out=all_rows_into)  # fp32 from the LM head's GEMM on CUDA (HybridModel.logits)
         return (logits, m) if return_hidden else logits
 
 
@@ -180,7 +180,7 @@ class MTPDrafter(Drafter):
                 m, logits = out.hidden, out.logits
             else:
                 m = self._run(tokens_in, hiddens_in, starts, [(r.pages, r.slot) for r in live])
-                logits = F.linear(m, self.target.lm_head_weight())  # [B, V]
+                logits = self.target.logits(m)  # [B, V] fp32
             toks, dists, cs = sample_drafts(logits, live)
             for i, (r, tok, dist, c) in enumerate(zip(live, toks, dists, cs)):
                 tokens[r.request_id].append(tok)
