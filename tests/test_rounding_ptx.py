@@ -65,8 +65,9 @@ def test_launchers_pass_the_options(monkeypatch):
     q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
     cos = torch.randn(n, 8)
     kc = torch.randn(4, 4, hkv, d)
-    AT.qk_norm_rope_write_triton(q, k, v, torch.randn(d), torch.randn(d), 1e-6, cos, cos, 8, kc, kc.clone(),
-                                 torch.zeros(1, 4, dtype=torch.int32), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    table, owner = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(n, dtype=torch.long)
+    AT.qk_norm_rope_write_triton(q, k, v, torch.randn(d), torch.randn(d), 1e-6, cos, cos, 8, kc, kc.clone(), table,
+                                 torch.arange(n), owner)
     ET.rope_triton(q, cos, cos, 8)
     x = torch.randn(n, 64)
     ET.moe_residual_triton(x, x, torch.randn(n, 1), x)
