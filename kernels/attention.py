@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.elementwise import rope_ref
+from kernels.norm import rmsnorm_ref
+
 
 def _flat_slots(page_table: Tensor, positions: Tensor, request_of_row: Tensor, page_size: int) -> Tensor:
     """Flat cache row (page * page_size + offset) of each (request, position)."""
@@ -46,9 +49,7 @@ def paged_attention_ref(
     gate: Tensor | None = None,  # [N, H, D] (any row strides): the output gate, o * sigmoid(gate)
 ) -> Tensor:
     """Returns o [N, H, D] in q's dtype (gated: o * sigmoid(gate), each rounded to q's dtype as it is computed)."""
-    if gate is not None and gate.shape != q.shape:
-        raise ValueError(f"paged_attention: gate must have q's shape {tuple(q.shape)} ([N, H, D]), got "
-                         f"{tuple(gate.shape)}")
+    check_gate(q, gate)
     page_size = k_cache.shape[1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -70,7 +71,19 @@ def paged_attention_ref(
         )
         out[start : start + t_new] = o[0].transpose(0, 1)
         start += t_new
-    return out if gate is None else out * torch.sigmoid(gate.to(out.dtype))
+    return gated_ref(out, gate)
+
+
+def check_gate(q: Tensor, gate: Tensor | None) -> None:
+    """paged_attention's `gate` must be [N, H, D] as q (a view with its own strides is fine)."""
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"paged_attention: gate must have q's shape {tuple(q.shape)} ([N, H, D]), got "
+                         f"{tuple(gate.shape)}")
+
+
+def gated_ref(o: Tensor, gate: Tensor | None) -> Tensor:
+    """o * sigmoid(gate) in o's dtype (the gate rounded to it first), or o where there is no gate."""
+    return o if gate is None else o * torch.sigmoid(gate.to(o.dtype))
 
 
 def qk_norm_rope_write_ref(
@@ -91,8 +104,6 @@ def qk_norm_rope_write_ref(
 ) -> Tensor:
     """An attention layer's inputs before its attention: q and k RMSNorm'd per head and rotated, this step's k
     and v written to their pages. Returns q [N, H, D] (new, contiguous)."""
-    from kernels.elementwise import rope_ref
-    from kernels.norm import rmsnorm_ref
     q = rope_ref(rmsnorm_ref(q, q_weight, eps), cos, sin, rotary_dim)
     k = rope_ref(rmsnorm_ref(k, k_weight, eps), cos, sin, rotary_dim)
     write_kv_ref(k, v, k_cache, v_cache, page_table, positions, request_of_row)

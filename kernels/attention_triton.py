@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from kernels.attention import check_gate, gated_ref
 from kernels.pdl import pdl_args, pdl_prologue
 from kernels.rounding import REFERENCE_ROUNDING
 
@@ -475,9 +476,7 @@ def paged_attention_triton(
     Exception: a batch of fresh prompts only (every context length 0 and every query longer than
     SDPA_PREFILL_MIN_LEN, by the host lists) goes to torch SDPA per request (flash, is_causal), which was faster
     than this kernel for long prompts on the H200; that path uses the host lengths and is not for graph capture."""
-    if gate is not None and gate.shape != q.shape:
-        raise ValueError(f"paged_attention: gate must have q's shape {tuple(q.shape)} ([N, H, D]), got "
-                         f"{tuple(gate.shape)}")
+    check_gate(q, gate)
     n, heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_requests = cu_seqlens.numel() - 1
@@ -490,7 +489,7 @@ def paged_attention_triton(
                             and min(query_lens) > SDPA_PREFILL_MIN_LEN)
     if prefill_sdpa:
         out = _fresh_prefill_sdpa(q, k_cache, v_cache, page_table, scale, query_lens, out)
-        return out if gate is None else out * torch.sigmoid(gate.to(out.dtype))
+        return gated_ref(out, gate)
     if gate is not None and gate.stride(-1) != 1:
         gate = gate.contiguous()
     g = out if gate is None else gate

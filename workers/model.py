@@ -193,6 +193,7 @@ class Attention(nn.Module):
         self.qkv = FusedLinears.of([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        self.norm_eps = cfg.rms_norm_eps  # both norms' (qk_norm_rope_write takes one)
         self.rope = rope
 
     def forward(self, x: Tensor, batch: ForwardBatch, kv: AttentionKV, cos: Tensor, sin: Tensor) -> Tensor:
@@ -202,7 +203,7 @@ class Attention(nn.Module):
         # q_norm + rope, k_norm + rope, and this step's k, v into their pages: one launch on the Triton path
         q = dispatch.qk_norm_rope_write(q, k.view(n, self.kv_heads, self.head_dim),
                                         v.view(n, self.kv_heads, self.head_dim), self.q_norm.weight,
-                                        self.k_norm.weight, self.q_norm.eps, cos, sin, self.rope.rotary_dim, kv.k,
+                                        self.k_norm.weight, self.norm_eps, cos, sin, self.rope.rotary_dim, kv.k,
                                         kv.v, batch.page_table, batch.positions, batch.request_of_row)
         o = dispatch.paged_attention(q, kv.k, kv.v, batch.page_table, batch.cu_seqlens, batch.context_lens,
                                      self.head_dim ** -0.5, batch.query_lens, batch.context_lens_host,
