@@ -10,6 +10,12 @@ prefill chunk, no graph capture) that ran 1 or 64 requests (--batches), a part's
 2026-12-01 the graph captures too: their means were ~3x the served steps'). `--force-plain`: hybridspec's gate
 always answers plain decoding, so its plain steps can be compared with ar's in one cell (bench/NOTES.md,
 2026-11-30 21:00-). `--tiny` (an e2e argument) runs the plumbing on CPU.
+
+The step's critical path is also cut by timestamps (`cp: ...` parts): `cp: pre-launch` from the execute's start to
+the return of the target graph's replay call (staging, the gate, the plan: the device idles unless the drafter's
+work is queued), `cp: wait` from there to the first acceptance (the read-back: the device's forward), `cp: post`
+from there to the execute's return, `cp: between` from the last execute's return to this one's start (the engine's
+loop), and `gpu: replay` the CUDA-event time of the target graph's replay alone (its GPU time; on CUDA only).
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ KINDS_OF_BATCH = [1, 64]  # batch sizes whose steps are reported (the full batch
 class Phases:
     def __init__(self) -> None:
         self.policy: str | None = None
+        self.run: runner.ModelRunner | None = None  # the runner inside execute (its graph sets are the target's)
+        self.stamps: dict[str, float] = {}  # this step's critical-path times (perf_counter s)
+        self.replay_events: tuple | None = None  # CUDA events around the target graph's replay
+        self.last_exit: float | None = None
         self.step: dict[str, float] = collections.defaultdict(float)  # label -> ms in the current step
         self.acc: dict[tuple[str | None, str, str], list[float]] = collections.defaultdict(list)  # per-step ms
 
@@ -71,16 +81,24 @@ class Phases:
                 for name in ("propose", "commit"):
                     if name in cls.__dict__:
                         self.wrap(cls, name, f"{cls.__name__}.{name}")
+        self.install_critical_path()
         execute = runner.ModelRunner.execute
 
         def timed_execute(run: runner.ModelRunner, requests):
             self.step.clear()
+            self.stamps.clear()
+            self.replay_events = None
+            self.run = run
             t = time.perf_counter()
             result = execute(run, requests)
+            done = time.perf_counter()
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             self.step["execute+sync"] = (time.perf_counter() - t) * 1e3
+            self.critical_path(t, done)
+            self.run = None
             self.record(run, requests)
+            self.last_exit = time.perf_counter()
             return result
         runner.ModelRunner.execute = timed_execute
         serve = e2e.serve
@@ -89,6 +107,53 @@ class Phases:
             self.policy = name
             return serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy)
         e2e.serve = labelled_serve
+
+    def install_critical_path(self) -> None:
+        """Timestamps of the target graph's replay (StepGraphs.run inside execute, on the runner's own sets) and of
+        the step's first acceptance (the runner's `accept`: right after the read-back)."""
+        run_graph = graphs.StepGraphs.run
+
+        def stamped_run(g, *a, **k):
+            target = self.run is not None and g in self.run._graphs.values()
+            if target and g.capture and "replay" not in self.stamps:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                replay = torch.cuda.CUDAGraph.replay
+
+                def timed_replay(graph):
+                    begin.record()
+                    replay(graph)
+                    end.record()
+                torch.cuda.CUDAGraph.replay = timed_replay
+                try:
+                    out = run_graph(g, *a, **k)
+                finally:
+                    torch.cuda.CUDAGraph.replay = replay
+                self.replay_events = (begin, end)
+            else:
+                out = run_graph(g, *a, **k)
+            if target and "replay" not in self.stamps:
+                self.stamps["replay"] = time.perf_counter()
+            return out
+        graphs.StepGraphs.run = stamped_run
+        accept = runner.accept
+
+        def stamped_accept(*a, **k):
+            self.stamps.setdefault("accept", time.perf_counter())
+            return accept(*a, **k)
+        runner.accept = stamped_accept
+
+    def critical_path(self, start: float, done: float) -> None:
+        """The `cp: ...` parts of the step that ran from `start` to `done` (host times) and its `gpu: replay`."""
+        if self.last_exit is not None:
+            self.step["cp: between"] = (start - self.last_exit) * 1e3
+        replay, first_accept = self.stamps.get("replay"), self.stamps.get("accept")
+        if replay is not None and first_accept is not None:
+            self.step["cp: pre-launch"] = (replay - start) * 1e3
+            self.step["cp: wait"] = (first_accept - replay) * 1e3
+            self.step["cp: post"] = (done - first_accept) * 1e3
+        if self.replay_events is not None:
+            begin, end = self.replay_events
+            self.step["gpu: replay"] = begin.elapsed_time(end)
 
     def record(self, run, requests) -> None:
         """Adds the current step's parts (self.step) if it is a served decode step of a reported batch size: no

@@ -49,6 +49,7 @@ def test_host_phases_tiny_times_each_policys_parts_by_step_kind(tmp_path):
         assert 0 < table[f"{name}|spec|ReplayDrafter.propose"][2] < per  # a part of the step
         assert table[f"{name}|spec|lengths"][1] == calls
     assert table["hybridspec|spec|gate: mark"][1] > 0 and "budget|spec|gate: mark" not in table  # budget: no gate
+    assert table["ar|plain|cp: between"][1] > 0  # the engine's loop between steps (the graph stamps: CUDA only)
     out2 = tmp_path / "plain.json"
     run_script("host_phases.py", "--phases-out", str(out2), "--force-plain", "--concurrency", "1", "--prompt-len",
                "16", "--max-new", "8", "--cell-tokens", "8", "--policies", "hybridspec", "--out", str(tmp_path / "p"))
