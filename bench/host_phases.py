@@ -46,7 +46,9 @@ PARTS = ((runner.ModelRunner, "flush_learning", "flush_learning"), (graphs.StepG
          (policy.LengthPolicy, "should_draft", "should_draft"), (policy.LengthPolicy, "lengths", "lengths"),
          (policy.LengthPolicy, "extra_tokens", "extra_tokens"), (policy.LengthPolicy, "observe", "observe"),
          (policy.LengthPolicy, "observe_outcome", "observe_outcome"), (policy.LengthPolicy, "stats", "stats"),
-         (policy.LengthPolicy, "fold_counts", "fold_counts"), (runner._StepEnds, "mark", "gate: mark"),
+         (policy.LengthPolicy, "fold_counts", "fold_counts"), (policy.LengthPolicy, "wants_cycle", "wants_cycle"),
+         (policy.LengthPolicy, "draft_cap", "draft_cap"), (policy.LengthPolicy, "drafts_next", "drafts_next"),
+         (policy.LengthPolicy, "keep_counts", "keep_counts"), (runner._StepEnds, "mark", "gate: mark"),
          (runner._StepEnds, "step_ended", "gate: step_ended"), (runner._StepEnds, "resumed", "gate: resumed"))
 KINDS_OF_BATCH = [1, 64]  # batch sizes whose steps are reported (the full batch of the usual cells; --batches)
 
@@ -150,6 +152,7 @@ class Phases:
         if replay is not None and first_accept is not None:
             self.step["cp: pre-launch"] = (replay - start) * 1e3
             self.step["cp: wait"] = (first_accept - replay) * 1e3
+        if first_accept is not None:
             self.step["cp: post"] = (done - first_accept) * 1e3
         if self.replay_events is not None:
             begin, end = self.replay_events

@@ -723,6 +723,48 @@ def test_step_ends_charge_each_step_its_queued_device_work():
     assert cpu.step_ended(0.0105, 0.030, end, (2, True, 5.0)) == [(2, True, 5.0, pytest.approx(20.0))]
 
 
+def test_step_ends_time_plain_cycles_on_the_host_clock_where_the_device_idles():
+    """On CUDA a cycle that starts after a step which queued nothing behind its read-back, of a step the runner
+    announced as plain, is timed on the host clock: no event at its start or its end (each cost ~0.03 ms of host
+    time on the step's critical path). A step that launched work after its read-back ends on an event, and a cycle
+    on two clocks is never timed; a resume without `host` records an event as before."""
+    from workers.runner import _StepEnds
+
+    host = {"now": 0.0}
+    recorded = []
+
+    class Ev:
+        def record(self):
+            recorded.append(self)
+            self.t = host["now"] * 1e3
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other) -> float:
+            return other.t - self.t
+
+    ends = _StepEnds(torch.device("cpu"), clock=lambda: host["now"], new_event=Ev)  # events: as on CUDA
+    ends.resumed(True, host=True)
+    assert recorded == [] and ends.sampling
+    host["now"] = 0.003
+    end = ends.end_mark(False)
+    assert recorded == [] and end == 0.003
+    assert ends.step_ended(0.0001, 0.003, end, (1, False, 1.0)) == [(1, False, 1.0, pytest.approx(3.0))]
+    ends.resumed(True, host=True)
+    host["now"] = 0.010
+    end = ends.end_mark(True)  # it launched after its read-back: an event, and no cycle from the host-clock start
+    assert recorded == [end]
+    assert ends.step_ended(0.0031, 0.010, end, (1, True, 2.0)) == [] and ends.pending == []
+    ends.resumed(True)
+    host["now"] = 0.014
+    end = ends.end_mark(False)
+    assert len(recorded) == 3
+    assert ends.step_ended(0.0101, 0.014, end, (1, False, 1.0)) == [(1, False, 1.0, pytest.approx(4.0))]
+    ends.resumed(False, host=True)  # an untimed next step: no start at all (thinned on CUDA)
+    assert ends.resume is None and not ends.sampling
+
+
 def test_step_ends_ring_never_misreads_a_re_recorded_event():
     """On CUDA the markers are a ring of RING events re-recorded in turn: a cycle still unread when one of its
     events is recorded again (a step whose end the device has not passed while later steps marked on) is dropped
@@ -917,11 +959,16 @@ def test_gate_thinning_times_only_sampled_steps_and_keeps_its_probes(monkeypatch
     marks = []
     real_mark = _StepEnds.mark
     monkeypatch.setattr(_StepEnds, "mark", lambda self: marks.append(1) or real_mark(self))
+    hosts = []  # resumed's `host`: the next cycle on the host clock (a plain step after one that queued nothing)
+    real_resumed = _StepEnds.resumed
+    monkeypatch.setattr(_StepEnds, "resumed", lambda self, sample_next=True, host=False:
+                        hosts.append(host) or real_resumed(self, sample_next, host))
     runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80)  # plain wins
     g = runner.policy.gate
     learned = sum(g.own.values())
     assert g.own.get((2, False), 0) >= 1 and learned < 0.6 * res.steps, (learned, res.steps)
     assert len(marks) < 1.2 * res.steps  # (two marks a timed step, none on the others)
+    assert any(hosts) and not all(hosts)  # plain stretches on the host clock, drafted steps' successors not
 
 
 def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
@@ -956,9 +1003,15 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
             learned.append((steps["n"], forwards["n"]))  # (steps started, target forwards run) when learned
             observe(drafter, obs, counts, fold)
 
+        reports = []  # steps whose result carries the policy's error report
+
         def spy_execute(requests):
             steps["n"] += 1
-            return execute(requests)
+            out = execute(requests)
+            if out.policy_stats:
+                reports.append(steps["n"])
+            return out
+        runner._steps = 0
         policy.observe, runner.execute = spy_observe, spy_execute
         forwards["n"] = 0
         res = serve(runner, prompts, new, 8, page_size, num_pages, "hybridspec", keep_policy=True)
@@ -966,11 +1019,15 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
         assert res.tokens == greedy
         n = steps["n"]
         assert len(learned) == n and policy.steps == n  # every step learned once
+        from workers.runner import POLICY_STATS_EVERY as every
         if defer:  # step j's learning inside step j + 1, after that step's forward; the last one at the flush
             assert [s for s, _ in learned] == list(range(2, n + 1)) + [n]
             assert all(f == s for s, f in learned)  # after the forward of the step it ran in
+            # the error report of steps 1, 17, ... is made inside the next step (off the critical path)
+            assert reports == list(range(2, n + 1, every))
         else:
             assert [s for s, _ in learned] == list(range(1, n + 1))
+            assert reports == list(range(1, n + 1, every))
         assert runner._learning is None
     # a policy replaced while a step's learning is pending: the learning goes to the policy that ran the step
     from workers.policy import StepObservation

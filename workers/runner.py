@@ -137,9 +137,18 @@ class _StepEnds:
     def _stamps(self, *markers) -> tuple:
         return tuple(self.stamp.get(id(m)) for m in markers)
 
+    @staticmethod
+    def _on_host(marker) -> bool:
+        """A host-clock marker (a number: CPU, or on CUDA a cycle's end where the device idles, see resumed)."""
+        return isinstance(marker, (int, float))
+
     def _elapsed_ms(self, begin, end) -> float | None:
+        """ms from begin to end: host-clock markers subtract, events once the device has passed end; None while it
+        has not, and for a host marker against an event (two clocks: no time between them)."""
         if not self.cuda:
             return (end - begin) * 1e3
+        if self._on_host(begin) or self._on_host(end):
+            return (end - begin) * 1e3 if self._on_host(begin) and self._on_host(end) else None
         return begin.elapsed_time(end) if end.query() else None
 
     def _resolve(self) -> list[tuple]:
@@ -174,7 +183,9 @@ class _StepEnds:
         prev_end, prev_drafted = self.last_end if self.last_end is not None else (None, None)
         if sample is not None and self.resume is not None:
             begin, returned = self.resume
-            if started - returned <= max(self.GAP_MS / 1e3, ended - started):
+            # (a host-clock begin with an event end: a cycle on two clocks, not timed; end_mark makes none)
+            if self._on_host(begin) == self._on_host(end) and \
+                    started - returned <= max(self.GAP_MS / 1e3, ended - started):
                 self.pending.append((begin, end, sample, (prev_end, prev_drafted),
                                      self._stamps(begin, end, prev_end)))
         self.last_end = (end, sample[1] if sample is not None else None)
@@ -187,10 +198,26 @@ class _StepEnds:
         resumed), always on the host clock."""
         return not self.thin or self.resume is not None
 
-    def resumed(self, sample_next: bool = True) -> None:
+    def resumed(self, sample_next: bool = True, host: bool = False) -> None:
         """At the very end of a step: the next step's cycle starts here. On CUDA (`thin`) a next step the gate
-        does not sample gets no marks at all (SpeculationGate.SAMPLE_EVERY)."""
-        self.resume = (self.mark(), self.clock()) if self.samples(sample_next) else None
+        does not sample gets no marks at all (SpeculationGate.SAMPLE_EVERY). `host`: the next cycle is timed on the
+        host clock, CUDA too (the runner: this step launched nothing after its read-back and the next one decodes
+        plainly, by its draft-cap hint of 0: the device is idle at both ends of that cycle, so the host's clock
+        times it as its events would). A CUDA event there cost ~0.03-0.04 ms of host time a mark on the step's
+        critical path, two a timed plain step (H200, bench/host_phases.py at 9aa5dee: a forced-plain step's time
+        after its read-back 0.232 ms median against ar's 0.069)."""
+        if not self.samples(sample_next):
+            self.resume = None
+            return
+        now = self.clock()
+        self.resume = (now if host or not self.cuda else self.mark(), now)
+
+    def end_mark(self, launched_after_readback: bool):
+        """The marker of a step's end (after its last launch): the host clock where its cycle began on the host
+        clock and the step launched nothing after its read-back (the device idles from there), else mark()."""
+        if self.resume is not None and self._on_host(self.resume[0]) and not launched_after_readback:
+            return self.clock()
+        return self.mark()
 
     def samples(self, sample_next: bool) -> bool:
         """Whether the next step's cycle is timed (its `sampling`) once resumed(sample_next) has run."""
@@ -214,6 +241,9 @@ class ModelRunner:
         # the last draft-cap hint reported was 0 (the gate's peeked verdict: plain); kept across steps with a
         # prefill and across policy swaps, as the scheduler keeps the hint
         self._hinted_plain = False
+        # CUDA: the policy's error report (POLICY_STATS_EVERY) is owed by the last step and made inside the next
+        # one's forward (each report was ~0.3 ms of host time after a step's read-back on the H200 host, 9aa5dee)
+        self._stats_due = False
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
@@ -461,6 +491,8 @@ class ModelRunner:
         # the previous step's learning, deferred: the host learns while the device runs this forward (its policy is
         # this one: use_policy flushes before a swap; a due fold of its routing counts waits for the end mark)
         self.flush_learning(fold=False)
+        if self._stats_due:  # the errors' report that the last step owed (~0.3 ms of host on the H200 host)
+            result.policy_stats, self._stats_due = self._policy_stats(), False
         # the greedy rows' argmax (step 4) is launched before the router correction's verdict is read (step 3): it
         # queues behind the forward and one wait covers both. Launched after that read (hybridspec from the
         # EXTRA_FROM bucket on, where extra tokens are sent), it started only once the host had read the mask and
@@ -518,7 +550,11 @@ class ModelRunner:
         step_ms = (time.perf_counter() - start) * 1e3  # before the routing-statistics fold below (it must not
         # land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
-        end, ended = (self._ends.mark(), self._ends.clock()) if gated and self._ends.sampling else (None, 0.0)
+        # device work this step queued after its read-back (a commit, the drafter's roll-back, the MTP head's
+        # pairs): its cycle ends on an event, and so does the next one's start
+        launched_after = bool(draft_reqs) or bool(drafts) or hidden is not None
+        end, ended = (self._ends.end_mark(launched_after), self._ends.clock()) if gated and self._ends.sampling \
+            else (None, 0.0)
         # what the learning reads of the device is copied now (the next replay overwrites graph outputs); the
         # learning itself waits for the next step's forward launch where deferred
         learning = (self.policy, self.drafter.name if self.drafter is not None else None, StepObservation(
@@ -541,7 +577,10 @@ class ModelRunner:
             self.policy.gate_dropped += self._ends.take_dropped()
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
-            result.policy_stats = self.policy.stats(self.drafter.name if self.drafter is not None else None)
+            if self.defer_learning:  # reported by the next step, from inside its forward (off the critical path)
+                self._stats_due = True
+            else:
+                result.policy_stats = self._policy_stats()
         sample_next = gated and self.policy.wants_cycle(len(requests))
         if decode_only and self.drafter is not None and self.policy.name != "ar":
             # the scheduler's next reservation: the drafts per request worth drafting at this batch size, none
@@ -555,9 +594,12 @@ class ModelRunner:
             if self._hinted_plain:
                 result.draft_cap_hint = 0
         if gated:  # (after the hint: its host time is this step's, not the next cycle's)
-            self._ends.resumed(sample_next)
+            self._ends.resumed(sample_next, host=self._hinted_plain and not launched_after)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
+
+    def _policy_stats(self) -> dict[str, float]:
+        return self.policy.stats(self.drafter.name if self.drafter is not None else None)
 
     def flush_learning(self, fold: bool = True) -> None:
         """Learns the last step now if its learning was deferred (before reading or replacing the policy).
