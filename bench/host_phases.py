@@ -3,7 +3,8 @@
 Runs bench/e2e.py with thin perf_counter wrappers around the runner's parts (ModelRunner.execute and, inside it,
 the graphs' staging and replay, the drafter, the plan, the gate's bookkeeping, the deferred learning) and writes,
 per (policy, plain|spec, part), [total ms, steps, mean ms per step, median ms per step] of the decode steps (no
-prefill chunk, no graph capture) that ran 1 or 64 requests (--batches), a part's calls within a step summed
+prefill chunk, no graph capture) that ran 1 or 64 requests (--batches; a kind of B > 1 requests is `plain@B` /
+`spec@B`), a part's calls within a step summed
 (`execute+sync` is the step until the device is done, as e2e times it; `gate: resumed` holds one of the step's two
 `gate: mark`s). The wrappers cost ~1 us a call, where torch.profiler (bench/step_timeline.py) and cProfile
 (bench/host_profile.py) inflate every Python call; the steps include the warm-up run's and the profile's (until
@@ -15,7 +16,8 @@ The step's critical path is also cut by timestamps (`cp: ...` parts): `cp: pre-l
 the return of the target graph's replay call (staging, the gate, the plan: the device idles unless the drafter's
 work is queued), `cp: wait` from there to the first acceptance (the read-back: the device's forward), `cp: post`
 from there to the execute's return, `cp: between` from the last execute's return to this one's start (the engine's
-loop), and `gpu: replay` the CUDA-event time of the target graph's replay alone (its GPU time; on CUDA only).
+loop), and `gpu: replay` the CUDA-event time of the target graph's replay alone (its GPU time; on CUDA only);
+`bucket R x T block B pages P` counts the steps that ran that graph (no time).
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ class Phases:
                 out = run_graph(g, *a, **k)
             if target and "replay" not in self.stamps:
                 self.stamps["replay"] = time.perf_counter()
+                key = a[0] if a else k.get("key")
+                if key is not None:  # which graph ran: a part of no time, counted (its steps: the row's count)
+                    self.step[f"bucket {key.requests}x{key.tokens} block {key.max_block} pages {key.pages}"] = 0.0
             return out
         graphs.StepGraphs.run = stamped_run
         accept = runner.accept
@@ -164,6 +169,8 @@ class Phases:
         decode = all(len(r.tokens) == 1 and r.context_len > 0 for r in requests)
         if decode and len(requests) in KINDS_OF_BATCH and not getattr(run, "last_step_captured", False):
             kind = "spec" if getattr(run, "last_draft_width", 0) else "plain"
+            if len(requests) > 1:  # e.g. plain@4: the steps of 4 requests (batch 1 keeps the bare kind)
+                kind += f"@{len(requests)}"
             for label, ms in self.step.items():
                 self.acc[(self.policy, kind, label)].append(ms)
 

@@ -80,6 +80,12 @@ def test_host_phases_records_served_decode_steps_only():
     table = ph.table()
     assert table["hybridspec|spec|execute+sync"] == [3.0, 1, 3.0, 3.0]
     assert table["hybridspec|plain|execute+sync"] == [5.0, 1, 5.0, 5.0] and "hybridspec|spec|lengths" in table
+    hp.KINDS_OF_BATCH.append(3)  # a batch of 3: its own kind
+    try:
+        ph.record(types.SimpleNamespace(last_step_captured=False, last_draft_width=0), decode * 3)
+    finally:
+        hp.KINDS_OF_BATCH.pop()
+    assert ph.table()["hybridspec|plain@3|execute+sync"] == [5.0, 1, 5.0, 5.0]
 
 
 def test_router_logits_tiny_checks_both_kernels(tmp_path):

@@ -79,3 +79,49 @@ def test_staging_holds_every_steps_inputs_across_a_sequence_of_steps():
             np.testing.assert_array_equal(g.stage_host.numpy(), want, err_msg=f"step {step}, {key}")
             np.testing.assert_array_equal(g.stage_dev.numpy(), want)  # the one copy to the device went out
     assert reused > 150  # most steps met a bucket's array as an earlier step left it
+
+
+def test_a_plain_decode_stretch_writes_only_its_per_request_inputs():
+    """Plain decode of as many requests as the bucket's array already holds takes _stage's shortcut (one write of
+    ids, positions, contexts, slots and write flags; owners, masks, cu and the padding stay), and the array still
+    equals a from-scratch layout at every step: through a stretch of one batch size, a smaller batch in the same
+    bucket, a verification step in another, and back."""
+    graphs = StepGraphs.__new__(StepGraphs)
+    graphs.spare_page, graphs.spare_slot, graphs.max_block = SPARE_PAGE, SPARE_SLOT, 5
+    graphs.tokens, graphs.width, graphs.failed = token_buckets(8 * 5), 16, {}
+    full = {"n": 0}
+    padding_lens = graphs._padding_lens
+
+    def counted(*a):
+        full["n"] += 1  # the full path computes the padding; the shortcut keeps the array's
+        return padding_lens(*a)
+    graphs._padding_lens = counted
+    staged: dict[BucketKey, types.SimpleNamespace] = {}
+    ctx = {s: 40 + 7 * s for s in range(6)}
+    pages = {s: [100 + s] for s in range(6)}
+    # 6 and 5 requests share the 8-request, 6-token bucket (5 with a padding row); the verification runs elsewhere
+    schedule = [(6, 1)] * 20 + [(5, 1)] * 10 + [(6, 5)] * 2 + [(6, 1)] * 10
+    steps_of = []
+    for step, (b, block) in enumerate(schedule):
+        live = list(range(b))
+        blocks = [[(step * 31 + s) % 1000] * (block if s == 0 else 1) for s in live]
+        if step % 6 == 5:
+            for s in live:
+                pages[s].append(200 + step + s)
+        page_rows = [list(pages[s]) for s in live]
+        write = [block == 1 or s != 0 for s in live]
+        n = sum(len(x) for x in blocks)
+        key = graphs.bucket(b, n, max(len(x) for x in blocks), max(len(p) for p in page_rows))
+        g = staged.get(key) or staged.setdefault(key, new_graph(key, graphs))
+        before = full["n"]
+        lens, pad_lens = graphs._stage(g, key, blocks, [ctx[s] for s in live], page_rows, live, write, [])
+        steps_of.append(full["n"] - before)
+        want = expected(g.layout, lens, pad_lens, blocks, [ctx[s] for s in live], page_rows, live, write, [])
+        np.testing.assert_array_equal(g.stage_host.numpy(), want, err_msg=f"step {step}, {key}")
+        for s in live:
+            ctx[s] += 1
+    assert len(staged) == 2  # the plain bucket and the verification's
+    # the full path at a stretch's first step (the batch of 5 too), the shortcut after; the verification steps in
+    # their own bucket leave the plain bucket's array as the batch of 5 left it: the full path again for 6
+    assert steps_of[:20] == [1] + [0] * 19 and steps_of[20:30] == [1] + [0] * 9
+    assert steps_of[30:32] == [1, 1] and steps_of[32:] == [1] + [0] * 9

@@ -1644,3 +1644,22 @@ def test_calibration_serves_its_maps_stale_for_a_few_reads_at_most():
     assert [lazy.calibrate_rows("d", rows) for _ in range(3)] == [[last[0][:2]] * 6] * 2 + [fresh]
     with pytest.raises(ValueError, match="max_stale_reads must be >= 0"):
         AcceptanceCalibrator(max_stale_reads=-1)
+
+
+def test_gate_only_plain_counts_plain_verdicts_and_keeps_a_due_probe():
+    """A step that cannot draft (the runner's hint reserved no drafts) asks the gate once with only_plain: a plain
+    verdict is counted as any (its probe clock advances); a verdict to draft (a due probe) answers True and counts
+    nothing, so the probe stays due for the next step that may draft."""
+    from workers.policy import SpeculationGate
+
+    gate = SpeculationGate()
+    for draft in (True,) * 3 + (False,) * 3:  # both sides measured, plain 2x faster
+        assert gate.should_draft(8) == draft
+        gate.observe(8, draft, 8.0, 20.0 if draft else 10.0)
+    spacing = gate.probe_spacing(8, gate.rate[(8, True)], gate.rate[(8, False)], False)
+    for i in range(spacing - 1):
+        assert gate.should_draft(8, only_plain=True) is False and gate.asked[8] == i + 1
+    decisions = list(gate.decisions)
+    assert gate.should_draft(8, only_plain=True) is True  # the probe is due: a miss, not counted
+    assert gate.decisions == decisions and gate.asked[8] == spacing - 1
+    assert gate.should_draft(8) is True and gate.asked[8] == 0  # the next step that may draft probes

@@ -120,6 +120,8 @@ class _Graph:
     table_rows: list[list[int]] = field(default_factory=list)  # page rows the table holds (spare past them)
     row_index: np.ndarray | None = None  # [Nb] 0..Nb-1
     request_index: np.ndarray | None = None  # [R] 0..R-1
+    staged_as: tuple | None = None  # (b, padding lengths): the array holds a plain decode of b requests
+    plain_index: dict = field(default_factory=dict)  # b -> [5 b] offsets of a plain decode's per-step inputs
 
 
 class _Layout:
@@ -343,6 +345,7 @@ class StepGraphs:
         g.table_rows = []
         g.row_index = np.arange(o.nb, dtype=np.int64)
         g.request_index = np.arange(o.r, dtype=np.int64)
+        g.staged_as, g.plain_index = None, {}  # (_stage's plain-decode shortcut; the test's graphs set them here)
 
     def _stage(self, g: _Graph, key: BucketKey, blocks: list[list[int]], context_lens: list[int],
                page_rows: list[list[int]], slots: list[int], write: list[bool],
@@ -353,15 +356,28 @@ class StepGraphs:
         Host time on every graphed step's critical path, so few numpy calls (each ~1.5-5 us on the CPU):
         the five per-row inputs as one [5, Nb] view, the per-request ones as one list, and only the page-table
         rows that differ from what the array holds (a request's pages change once per page of tokens). It was
-        ~25 calls plus one per request (76 us at one request, 191 us at 64 on this repo's CPU)."""
+        ~25 calls plus one per request (76 us at one request, 191 us at 64 on this repo's CPU). A plain decode of as
+        many requests as the array already holds writes its per-request inputs in one call (the staging was ~0.11 ms
+        of the ~0.3 ms of H200 host time before a plain step's launch, bench/host_phases.py at 2a27610)."""
         o = g.layout
         b, r, nb = len(blocks), o.r, o.nb
         lens = [len(x) for x in blocks]
         n = sum(lens)
-        pad_lens = self._padding_lens(b, r, nb - n, key.max_block, max(lens, default=1))
+        plain = n == b > 0 and not extra_rows and max(lens) == 1  # one token a request at its context length
         if g.staged is not None:
             g.staged.synchronize()  # the last copy out of the pinned buffer is done before it is rewritten
         st = g.stage_np
+        if plain and g.staged_as is not None and g.staged_as[0] == b:
+            # the array holds a plain decode of b requests: owners, masks, cu and the padding are this step's too;
+            # the per-request inputs in one numpy call (ids, positions = contexts, contexts, slots, write)
+            st[g.plain_index[b]] = list(itertools.chain.from_iterable(blocks)) + context_lens + context_lens + \
+                slots + write
+            self._stage_table(g, b, page_rows)
+            g.stage_dev.copy_(g.stage_host, non_blocking=True)
+            if g.staged is not None:
+                g.staged.record()
+            return lens, list(g.staged_as[1])
+        pad_lens = self._padding_lens(b, r, nb - n, key.max_block, max(lens, default=1))
         rows = g.stage_rows  # [5, Nb] ids, positions, owner, extra, row_mask
         all_lens = lens + pad_lens  # [R], sums to Nb
         cu = list(itertools.accumulate(all_lens, initial=0))  # [R + 1]
@@ -379,6 +395,20 @@ class StepGraphs:
         pad = r - b
         st[o.cu:o.table] = (cu + context_lens + [0] * pad + slots + [self.spare_slot] * pad + write
                             + [False] * pad)  # cu [R + 1], context, slots, write [R] each (contiguous)
+        self._stage_table(g, b, page_rows)
+        g.stage_dev.copy_(g.stage_host, non_blocking=True)
+        if g.staged is not None:
+            g.staged.record()
+        g.staged_as = (b, tuple(pad_lens)) if plain else None
+        if plain and b not in g.plain_index:
+            span = np.arange(b, dtype=np.int64)
+            g.plain_index[b] = np.concatenate([o.ids + span, o.positions + span, o.context + span, o.slots + span,
+                                               o.write + span])
+        return lens, pad_lens
+
+    def _stage_table(self, g: _Graph, b: int, page_rows: list[list[int]]) -> None:
+        """The page-table rows that differ from what the staging array holds (a request's pages change once per
+        page of tokens); rows past b go back to the spare page."""
         table, held = g.table_np, g.table_rows  # [R, P]; the page rows the array holds (spare past each)
         for i in range(max(b, len(held))):
             row = page_rows[i] if i < b else []
@@ -391,10 +421,6 @@ class StepGraphs:
                     held[i] = list(row)
                 else:
                     held.append(list(row))
-        g.stage_dev.copy_(g.stage_host, non_blocking=True)
-        if g.staged is not None:
-            g.staged.record()
-        return lens, pad_lens
 
     @staticmethod
     def _padding_lens(b: int, r: int, pad: int, max_block: int, longest: int) -> list[int]:

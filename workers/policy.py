@@ -209,7 +209,8 @@ class SpeculationGate:
         if self.SAMPLE_EVERY <= 1:
             return True
         b = self.bucket(batch_size)
-        if b in self.inherited or not all(self.own.get((b, side), 0) >= self.MIN_SAMPLES for side in (True, False)):
+        own = self.own
+        if b in self.inherited or own.get((b, True), 0) < self.MIN_SAMPLES or own.get((b, False), 0) < self.MIN_SAMPLES:
             return True
         spec, plain = self.rate[(b, True)], self.rate[(b, False)]
         if self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, False):  # (without the hint: sooner)
@@ -218,14 +219,17 @@ class SpeculationGate:
         return self.ticks[b] % self.SAMPLE_EVERY == 0
 
     def should_draft(self, batch_size: int, plain_hint: float | None | Callable[[], float | None] = None,
-                     sampled: bool = True) -> bool:
+                     sampled: bool = True, only_plain: bool = False) -> bool:
         """plain_hint: an optimistic estimate of plain decoding's output tokens per ms per request (or a function
         returning it, called only where the verdict needs it). `sampled`:
         whether this step's cycle is timed (wants_sample); an untimed step never probes (a due probe waits for
-        the next timed step)."""
+        the next timed step). `only_plain`: the step decodes plainly whatever the verdict (the runner's hint
+        reserved no drafts): a verdict to draft is not counted (a due probe stays due) and answers True."""
         b = self.bucket(batch_size)
         self._inherit(b)
         draft, measured, probe = self._verdict(b, plain_hint, sampled)
+        if draft and only_plain:
+            return True
         if measured:
             self.asked[b] = 0 if probe else self.asked.get(b, 0) + 1  # steps since the last probe
         self.decisions[draft] += 1
@@ -266,7 +270,7 @@ class SpeculationGate:
         probe costs the step that gap, so a far loser is probed less often: a probe's cost per step stays about
         GAP_UNIT / PROBE), MAX_SPACING where speculation is ahead of the optimistic plain hint; plain PROBE until
         the bucket has measured both sides itself (an inherited verdict is checked soon)."""
-        if not all(self.own.get((b, side), 0) for side in (True, False)):
+        if not self.own.get((b, True), 0) or not self.own.get((b, False), 0):
             return self.PROBE
         gap = 1.0 - min(spec, plain) / max(spec, plain) if max(spec, plain) > 0 else 0.0
         factor = self.MAX_SPACING if ahead else min(self.MAX_SPACING, max(1.0, gap / self.GAP_UNIT))
@@ -404,6 +408,8 @@ class LengthPolicy:
         # ~1 ms a step at c=1, e2e at ba5e735)
         self._unsettled: StepObservation | None = None
         self.planned_max: dict[int, deque[int]] = {}  # per batch-size bucket: longest length of recent plans
+        # draft_cap's per bucket, with the window it was read from; dropped when a plan there is made
+        self._draft_caps: dict[int, tuple] = {}
 
     @property
     def uses_extra_token(self) -> bool:
@@ -435,11 +441,20 @@ class LengthPolicy:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
         plans at this bucket (their DRAFT_QUANTILE) + DRAFT_MARGIN, at most max_verify_len); None: no cap of its
         own (other policies, before DRAFT_WINDOW // 4 plans at this bucket)."""
-        recent = self.planned_max.get(SpeculationGate.bucket(batch_size)) if self.name == "hybridspec" else None
-        if not recent or len(recent) < DRAFT_WINDOW // 4:
+        if self.name != "hybridspec":
             return None
-        longest = sorted(recent)[min(len(recent) - 1, int(DRAFT_QUANTILE * len(recent)))]
-        return min(self.max_verify_len, longest + DRAFT_MARGIN)
+        b = SpeculationGate.bucket(batch_size)
+        recent = self.planned_max.get(b)
+        cached = self._draft_caps.get(b)
+        if cached is not None and cached[0] is recent:  # (asked twice a step; a plan at b drops it)
+            return cached[1]
+        if not recent or len(recent) < DRAFT_WINDOW // 4:
+            cap = None
+        else:
+            longest = sorted(recent)[min(len(recent) - 1, int(DRAFT_QUANTILE * len(recent)))]
+            cap = min(self.max_verify_len, longest + DRAFT_MARGIN)
+        self._draft_caps[b] = (recent, cap)
+        return cap
 
     def warm(self) -> bool:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
@@ -448,12 +463,13 @@ class LengthPolicy:
         """Whether hybridspec's gate wants the next step's cycle timed (SpeculationGate.wants_sample)."""
         return self.gate is not None and self.gate.wants_sample(batch_size)
 
-    def should_draft(self, contexts: list[int], sampled: bool = True) -> bool:
+    def should_draft(self, contexts: list[int], sampled: bool = True, only_plain: bool = False) -> bool:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always);
-        `sampled`: whether the step's cycle is timed."""
+        `sampled`: whether the step's cycle is timed; `only_plain`: the step cannot draft (SpeculationGate.should_draft:
+        True is then a verdict the step misses, not counted)."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
-        return self.gate.should_draft(len(contexts), lambda: self._plain_hint(contexts), sampled)
+        return self.gate.should_draft(len(contexts), lambda: self._plain_hint(contexts), sampled, only_plain)
 
     def drafts_next(self, contexts: list[int], sampled: bool = True) -> bool:
         """should_draft's answer for a next step of these contexts, counting nothing (SpeculationGate.would_draft)."""
@@ -648,6 +664,7 @@ class LengthPolicy:
         self._predicted_ms = predicted
         self._last_plan = (survival, cost, plan, sum(tokens))
         self.planned_max.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(max(plan.lengths, default=0))
+        self._draft_caps.pop(b, None)
         return plan.lengths
 
     def _width_overheads(self, bucket: int, caps: list[int]) -> list[float] | None:

@@ -23,14 +23,24 @@ from workers.model import HybridModel, MoEContext
 from workers.policy import EXTRA_FROM, DeviceReadback, LengthPolicy, StepObservation
 from workers.sampling import make_generator
 
+def timing_events(device: torch.device) -> tuple | None:
+    """A (begin, end) pair of timing CUDA events for a timer that is read before it is started again (the
+    runner's, one pair per timer kept for its life: creating an event cost ~25 us of host time on the H200 host, two
+    a timer a step on the critical path); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
 class _ForwardTimer:
     """Times the target forward for the latency model without a host sync of its own: CUDA events, read after
-    acceptance has synchronized anyway (host clock on CPU)."""
+    acceptance has synchronized anyway (host clock on CPU). `events`: the pair to record (timing_events; re-recorded
+    by the next timer, so this one is read first)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, events: tuple | None = None):
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin, self.end = events if events is not None else timing_events(device)
             self.begin.record()
         else:
             self.t0 = time.perf_counter()
@@ -63,10 +73,10 @@ class _DraftTimer:
     the device reaches the drafting, after the previous step's tail), the host clock otherwise (a host-only
     drafter such as ngram, or CPU)."""
 
-    def __init__(self, device: torch.device, reads_back: bool):
+    def __init__(self, device: torch.device, reads_back: bool, events: tuple | None = None):
         self.cuda = device.type == "cuda" and reads_back
         if self.cuda:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin, self.end = events if events is not None else timing_events(device)
             self.begin.record()
         self.t0 = time.perf_counter()
 
@@ -244,6 +254,8 @@ class ModelRunner:
         # CUDA: the policy's error report (POLICY_STATS_EVERY) is owed by the last step and made inside the next
         # one's forward (each report was ~0.3 ms of host time after a step's read-back on the H200 host, 9aa5dee)
         self._stats_due = False
+        # the forward's and the drafting's timers record these events, each read within its step
+        self._forward_events, self._draft_events = timing_events(self.device), timing_events(self.device)
         self.set_policy(policy, max_verify_len)
 
     def set_policy(self, policy: str, max_verify_len: int = 16) -> None:
@@ -349,7 +361,7 @@ class ModelRunner:
                 eager_stats: MoEContext | None = None  # this shape's statistics where its bucket collects none
                 for rep in range(repeats + 1):  # the first run compiles / captures
                     moe = MoEContext(collect_counts=True)
-                    timer = _ForwardTimer(self.device)
+                    timer = _ForwardTimer(self.device, self._forward_events)
                     key = graphs.bucket(b, b * t, t, len(pages[0])) if graphs is not None else None
                     out = graphs.run(key, blocks, context, pages, [spare_slot] * b, [False] * b, []) \
                         if key is not None else None
@@ -406,11 +418,9 @@ class ModelRunner:
         # announces it)
         if self.drafter is not None and decode_only and not spec and self._hinted_plain and \
                 self.policy.gate is not None:
-            contexts = [r.context_len for r in requests]
-            if self.policy.drafts_next(contexts, self._ends.sampling):
+            # plain: counted, its probe clock advances (one verdict: True is one the step misses, not counted)
+            if self.policy.should_draft([r.context_len for r in requests], self._ends.sampling, only_plain=True):
                 self.policy.gate_hint_misses += 1
-            else:
-                self.policy.should_draft(contexts, self._ends.sampling)  # plain: counted, its probe clock advances
         elif spec and self.drafter is not None and decode_only and \
                 not self.policy.should_draft([r.context_len for r in requests], self._ends.sampling):
             spec = []
@@ -418,7 +428,7 @@ class ModelRunner:
             cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
             draft_reqs = [self._draft_request(requests[i], cap) for i in spec]
             captures_before_draft = self.captures_total()
-            draft_timer = _DraftTimer(self.device, self.drafter.reads_back)
+            draft_timer = _DraftTimer(self.device, self.drafter.reads_back, self._draft_events)
             proposal = self.drafter.propose(draft_reqs)
             # the drafter's time and the rows it drafted (drafts + the pending token of each request with drafts),
             # for hybridspec's width_plan; not timed where it drafted nothing (on CUDA reading the end event would
@@ -459,7 +469,7 @@ class ModelRunner:
         if graphs is not None and decode_only:
             key = graphs.bucket(len(requests), starts[-1], max(len(b) for b in blocks),
                                 max(len(r.pages) for r in requests))
-        timer = _ForwardTimer(self.device)
+        timer = _ForwardTimer(self.device, self._forward_events)
         out = None
         if key is not None:  # a captured graph: logits of every flat row, spans index them directly
             out = graphs.run(key, blocks, [r.context_len for r in requests], [r.pages for r in requests],
