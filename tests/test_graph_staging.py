@@ -104,12 +104,16 @@ def test_a_plain_decode_stretch_writes_only_its_per_request_inputs():
     steps_of = []
     for step, (b, block) in enumerate(schedule):
         live = list(range(b))
-        blocks = [[(step * 31 + s) % 1000] * (block if s == 0 else 1) for s in live]
+        if step % 7 == 3:  # a request finished, another took its place at the same batch size: other slots
+            live[step % b] = 6 + step % 3
+            ctx.setdefault(live[step % b], 30)
+            pages.setdefault(live[step % b], [300 + step])
+        blocks = [[(step * 31 + s) % 1000] * (block if j == 0 else 1) for j, s in enumerate(live)]
         if step % 6 == 5:
             for s in live:
                 pages[s].append(200 + step + s)
         page_rows = [list(pages[s]) for s in live]
-        write = [block == 1 or s != 0 for s in live]
+        write = [(step + j) % 3 != 0 if block == 1 else j != 0 for j in range(b)]  # flags vary step to step
         n = sum(len(x) for x in blocks)
         key = graphs.bucket(b, n, max(len(x) for x in blocks), max(len(p) for p in page_rows))
         g = staged.get(key) or staged.setdefault(key, new_graph(key, graphs))
@@ -118,6 +122,7 @@ def test_a_plain_decode_stretch_writes_only_its_per_request_inputs():
         steps_of.append(full["n"] - before)
         want = expected(g.layout, lens, pad_lens, blocks, [ctx[s] for s in live], page_rows, live, write, [])
         np.testing.assert_array_equal(g.stage_host.numpy(), want, err_msg=f"step {step}, {key}")
+        np.testing.assert_array_equal(g.stage_dev.numpy(), want)  # and the copy to the device went out
         for s in live:
             ctx[s] += 1
     assert len(staged) == 2  # the plain bucket and the verification's

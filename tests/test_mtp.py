@@ -105,3 +105,18 @@ def test_mtp_drafting_steps_through_graph_buckets_are_lossless(mtp_dir):
     assert [(r.stats.draft_tokens, r.stats.accepted_tokens) for r in out] == \
         [(r.stats.draft_tokens, r.stats.accepted_tokens) for r in eager]
     assert llm.engine.executor.runner.drafter.graphs.graphs  # the head's graph path really ran
+
+
+def test_mtp_steps_never_time_a_gate_cycle_on_the_host_clock(mtp_dir, monkeypatch):
+    """The MTP drafter pairs every step's committed tokens with the target's hidden states after the read-back (a
+    head forward on the device), plain steps too: no hybridspec gate cycle may start or end on the host clock
+    (workers/runner.py _StepEnds.resumed(host=...)), checked with the gate's CUDA paths on host-timed stand-in
+    events; the output stays lossless."""
+    from gate_clocks import record_cycle_clocks
+
+    _, markers = record_cycle_clocks(monkeypatch)
+    sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    base = [r.token_ids for r in LLM(model=str(mtp_dir)).generate(PROMPTS, sp)]
+    llm = LLM(model=str(mtp_dir), spec="mtp", policy="hybridspec", max_verify_len=3)
+    assert [r.token_ids for r in llm.generate(PROMPTS, sp)] == base
+    assert markers and not any(markers)  # every cycle start an event

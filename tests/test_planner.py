@@ -1663,3 +1663,53 @@ def test_gate_only_plain_counts_plain_verdicts_and_keeps_a_due_probe():
     assert gate.should_draft(8, only_plain=True) is True  # the probe is due: a miss, not counted
     assert gate.decisions == decisions and gate.asked[8] == spacing - 1
     assert gate.should_draft(8) is True and gate.asked[8] == 0  # the next step that may draft probes
+
+
+def test_runner_times_plain_cycles_on_the_host_clock_and_the_rest_on_events(monkeypatch):
+    """Served end to end with the gate's CUDA paths (host-timed stand-in events): where plain decoding wins, plain
+    steps after plain steps are timed on the host clock at both ends; a drafted step ends on an event, and so
+    does the start of the cycle after it (its commit and the drafter's roll-back run after its read-back); no
+    timed cycle mixes the two clocks."""
+    from gate_clocks import record_cycle_clocks
+
+    seen, _ = record_cycle_clocks(monkeypatch)
+    _served_with_wrong_drafts(80)  # plain wins: long plain stretches, probes
+    assert seen
+    assert all(begin == end for begin, end, _, _ in seen)  # never two clocks in one cycle
+    assert any(begin and not drafted for begin, _, drafted, _ in seen)  # plain cycles on the host clock
+    assert all(not end for _, end, drafted, _ in seen if drafted)  # a drafted step ends on an event
+    assert all(not begin for begin, _, _, before in seen if before)  # after a drafted step: an event start
+
+
+def test_a_policy_swap_delivers_the_report_its_last_step_owed():
+    """On CUDA the policy's error report is made inside the next step (runner._stats_due); a policy swapped in
+    before that step makes the old policy's report at the swap and the next result carries it (not the new
+    policy's, and none is lost)."""
+    import types
+
+    model, runner, prompts, greedy, page_size, num_pages, serve, _ = _tiny_served(4)
+    runner.defer_learning = True
+    old = runner.policy
+    made = []
+    real_stats = type(old).stats
+
+    def stats(self, drafter=None):
+        made.append(self)
+        return real_stats(self, drafter)
+    old.stats = types.MethodType(stats, old)
+    runner._stats_due = True  # as step 1, 17, ... leaves it
+    runner.set_policy("budget", 8)
+    assert made == [old] and not runner._stats_due
+    owed = runner._owed_stats
+    assert owed is not None and "latency_samples" in owed
+    reports, execute = [], runner.execute
+
+    def spy(requests):
+        out = execute(requests)
+        reports.append(out.policy_stats)
+        return out
+    runner.execute = spy
+    res = serve(runner, prompts, 2, 8, page_size, num_pages, "budget", keep_policy=True)
+    del runner.execute
+    assert res.tokens == [t[:2] for t in greedy] and runner._owed_stats is None
+    assert reports[0] is owed and made == [old]  # the first step's result, the old policy's report

@@ -213,9 +213,11 @@ class _StepEnds:
         does not sample gets no marks at all (SpeculationGate.SAMPLE_EVERY). `host`: the next cycle is timed on the
         host clock, CUDA too (the runner: this step launched nothing after its read-back and the next one decodes
         plainly, by its draft-cap hint of 0: the device is idle at both ends of that cycle, so the host's clock
-        times it as its events would). A CUDA event there cost ~0.03-0.04 ms of host time a mark on the step's
-        critical path, two a timed plain step (H200, bench/host_phases.py at 9aa5dee: a forced-plain step's time
-        after its read-back 0.232 ms median against ar's 0.069)."""
+        times it as its events would, but for the few us of the learning's small copies launched after the end
+        mark, which the host clock counts in the next cycle). A CUDA event there cost ~0.03-0.04 ms of host time a
+        mark on the step's critical path, two a timed plain step (H200, bench/host_phases.py at 9aa5dee: a
+        forced-plain step's time after its read-back 0.232 ms median against ar's 0.069). The `between` diagnostic
+        has no gap where a host-clock end meets an event start (two clocks)."""
         if not self.samples(sample_next):
             self.resume = None
             return
@@ -254,6 +256,7 @@ class ModelRunner:
         # CUDA: the policy's error report (POLICY_STATS_EVERY) is owed by the last step and made inside the next
         # one's forward (each report was ~0.3 ms of host time after a step's read-back on the H200 host, 9aa5dee)
         self._stats_due = False
+        self._owed_stats: dict[str, float] | None = None
         # the forward's and the drafting's timers record these events, each read within its step
         self._forward_events, self._draft_events = timing_events(self.device), timing_events(self.device)
         self.set_policy(policy, max_verify_len)
@@ -265,6 +268,8 @@ class ModelRunner:
         """Runs the next steps under `policy` (a new one, or one kept from earlier runs); the gate's cycles start
         afresh (no cycle of the last policy's steps reaches this one's gate)."""
         self.flush_learning()
+        if self._stats_due:  # the report the last policy's step owed: that policy's, delivered with the next result
+            self._owed_stats, self._stats_due = self._policy_stats(), False
         self.policy = policy
         self._ends = _StepEnds(self.device)
         self._ends.between = policy.gate_between  # the diagnostic accumulates over the policy's runs
@@ -503,6 +508,8 @@ class ModelRunner:
         self.flush_learning(fold=False)
         if self._stats_due:  # the errors' report that the last step owed (~0.3 ms of host on the H200 host)
             result.policy_stats, self._stats_due = self._policy_stats(), False
+        elif self._owed_stats is not None:  # owed by the policy before the last swap (use_policy)
+            result.policy_stats, self._owed_stats = self._owed_stats, None
         # the greedy rows' argmax (step 4) is launched before the router correction's verdict is read (step 3): it
         # queues behind the forward and one wait covers both. Launched after that read (hybridspec from the
         # EXTRA_FROM bucket on, where extra tokens are sent), it started only once the host had read the mask and
@@ -561,8 +568,9 @@ class ModelRunner:
         # land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
         # device work this step queued after its read-back (a commit, the drafter's roll-back, the MTP head's
-        # pairs): its cycle ends on an event, and so does the next one's start
-        launched_after = bool(draft_reqs) or bool(drafts) or hidden is not None
+        # pairs), or no read-back at all (a prefill chunk with nothing to sample leaves its forward running): its
+        # cycle ends on an event, and so does the next one's start
+        launched_after = bool(draft_reqs) or bool(drafts) or hidden is not None or not spans
         end, ended = (self._ends.end_mark(launched_after), self._ends.clock()) if gated and self._ends.sampling \
             else (None, 0.0)
         # what the learning reads of the device is copied now (the next replay overwrites graph outputs); the
