@@ -14,11 +14,11 @@ always answers plain decoding, so its plain steps can be compared with ar's in o
 
 The step's critical path is also cut by timestamps (`cp: ...` parts): `cp: pre-launch` from the execute's start to
 the return of the target graph's replay call (staging, the gate, the plan: the device idles unless the drafter's
-work is queued), `cp: wait` from there to the first acceptance (the read-back of the greedy rows' argmax: the device's forward; a
-step with sampling rows only reads back inside its acceptance, so `cp: post` holds that wait), `cp: post`
-from there to the execute's return, `cp: between` from the last execute's return to this one's start (the engine's
-loop), and `gpu: replay` the CUDA-event time of the target graph's replay alone (its GPU time; on CUDA only);
-`bucket R x T block B pages P` counts the steps that ran that graph (no time).
+work is queued), `cp: wait` from there to the first acceptance (the read-back of the greedy rows' argmax: the
+device's forward; a step with sampling rows only reads back inside its acceptance, so `cp: post` holds that wait),
+`cp: post` from there to the execute's return, `cp: between` from the last execute's return to this one's start
+(the engine's loop), and `gpu: replay` the CUDA-event time of the target graph's replay alone (its GPU time; on
+CUDA only); `bucket R x T block B pages P` counts the steps that ran that graph (no time).
 """
 
 from __future__ import annotations

@@ -209,8 +209,8 @@ class SpeculationGate:
         if self.SAMPLE_EVERY <= 1:
             return True
         b = self.bucket(batch_size)
-        own = self.own
-        if b in self.inherited or own.get((b, True), 0) < self.MIN_SAMPLES or own.get((b, False), 0) < self.MIN_SAMPLES:
+        own, least = self.own, self.MIN_SAMPLES
+        if b in self.inherited or own.get((b, True), 0) < least or own.get((b, False), 0) < least:
             return True
         spec, plain = self.rate[(b, True)], self.rate[(b, False)]
         if self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, False):  # (without the hint: sooner)
@@ -465,8 +465,8 @@ class LengthPolicy:
 
     def should_draft(self, contexts: list[int], sampled: bool = True, only_plain: bool = False) -> bool:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always);
-        `sampled`: whether the step's cycle is timed; `only_plain`: the step cannot draft (SpeculationGate.should_draft:
-        True is then a verdict the step misses, not counted)."""
+        `sampled`: whether the step's cycle is timed; `only_plain`: the step cannot draft (SpeculationGate.
+        should_draft: True is then a verdict the step misses, not counted)."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
         return self.gate.should_draft(len(contexts), lambda: self._plain_hint(contexts), sampled, only_plain)
