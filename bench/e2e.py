@@ -250,6 +250,11 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
     if policy == "ar":
         runner.drafter = None
         return serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
+    if policy == "ar-drafter":  # ar with the replay drafter attached (never asked: no drafts, no draft pages)
+        runner.drafter = replay
+        res = serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
+        res.policy = policy
+        return res
     k = int(policy[len("fixed"):]) if policy.startswith("fixed") else 16
     runner.drafter = replay
     if policy in learned:
@@ -536,7 +541,8 @@ def main() -> None:
                 if ar_cell.get("decode_with_between_tokens_per_s"):  # with the host's time between steps
                     row["with_between_speedup_vs_ar"] = (row["decode_with_between_tokens_per_s"]
                                                          / ar_cell["decode_with_between_tokens_per_s"])
-                row.update(policy_report(learned[policy], policy, conc))
+                if policy in learned:  # (ar-drafter keeps no policy of its own)
+                    row.update(policy_report(learned[policy], policy, conc))
                 rows.append(row)
                 dump(args.out, meta, rows)
                 print(f"c={conc} acc={acceptance} {policy}: {row['decode_tokens_per_s']:.1f} tok/s "

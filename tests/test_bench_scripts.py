@@ -208,6 +208,22 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         assert out.returncode == 2 and ("--policies" in out.stderr or "--repeats" in out.stderr), out.stderr
 
 
+def test_e2e_tiny_plain_path_variants(tmp_path):
+    """The two A/A variants for the plain path: ar-drafter (ar with the replay drafter attached, never asked: no
+    drafts, no draft pages) and hybridspec-plain (the gate decodes every step plainly); both lossless, their rows
+    carry their speedup over the cell's ar, hybridspec-plain its (zero) speculative share."""
+    run_script("e2e.py", "--concurrency", "2", "--acceptance", "0.5", "--policies", "ar-drafter,hybridspec-plain",
+               "--prompt-len", "16", "--max-new", "12", "--cell-tokens", "12", "--warm-new", "4", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    for policy in ("ar-drafter", "hybridspec-plain"):
+        row = next(r for r in rows if r["policy"] == policy)
+        assert row["greedy_match"] == 1.0 and row["draft_tokens"] == 0 and row["drafted_width_steps"] == {}
+        assert row["speedup_vs_ar"] > 0 and row["tokens_per_step_mean"] == 2  # plain steps of both requests
+    plain = next(r for r in rows if r["policy"] == "hybridspec-plain")
+    assert plain["speculative_step_share"] == 0.0 and "latency_model_error_pct" in plain
+    assert "latency_model_error_pct" not in next(r for r in rows if r["policy"] == "ar-drafter")
+
+
 def test_moe_tiles_tiny_checks_every_candidate_against_the_reference(tmp_path):
     """Every tile candidate bench/moe_tiles.py times on the GPU compiles and equals fused_moe_ref (interpreter)."""
     from bench.moe_tiles import candidates

@@ -1432,15 +1432,20 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import ABLATIONS, LengthPolicy
 
     cfg = _moe_config()
-    expect = {"noextra": (False, True, True, True), "nocounts": (True, False, True, True),
-              "lean": (False, False, True, True), "nogate": (True, True, False, True),
-              "nowidth": (True, True, True, False)}
+    expect = {"noextra": (False, True, True, True, False), "nocounts": (True, False, True, True, False),
+              "lean": (False, False, True, True, False), "nogate": (True, True, False, True, False),
+              "nowidth": (True, True, True, False, False), "plain": (True, True, True, True, True)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
-                policy.plans_width) == parts
+                policy.plans_width, policy.gate is not None and policy.gate.force_plain) == parts
+    gate = LengthPolicy("hybridspec", cfg)
+    gate.ablate("plain")
+    for draft in (True,) * 3:  # (speculation measured faster: a gate of its own would draft)
+        gate.gate.observe(1, draft, 4.0, 2.0)
+    assert not gate.gate.should_draft(1) and not gate.gate.would_draft(1)  # plain whatever it measured
     with pytest.raises(ValueError, match="ablation must be one of"):
         LengthPolicy("hybridspec", cfg).ablate("nothing")
     with pytest.raises(ValueError, match="ablation must be one of"):

@@ -33,7 +33,7 @@ from workers.graphs import token_buckets
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
-             "nowidth": ("width",)}
+             "nowidth": ("width",), "plain": ("plain",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -176,6 +176,7 @@ class SpeculationGate:
         # (their ratio: the side's pooled rate, beside the EWMA the gate decides on)
         self.pooled: dict[tuple[int, bool], list[float]] = {}
         self.cycles: deque[tuple[int, bool, float, float]] = deque(maxlen=1024)  # recent (b, drafted, tok/req, ms)
+        self.force_plain = False  # LengthPolicy.ablate("plain"), benchmarks: every verdict is plain decoding
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -250,6 +251,8 @@ class SpeculationGate:
         """(draft, measured: both sides measured, probe: this step probes the losing side) for the next step of
         bucket b. `plain_hint` may be a function: it is called only where the verdict needs it (not while plain
         decoding wins a measured bucket: most plain steps skip the latency model's prediction)."""
+        if self.force_plain:
+            return False, False, False
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
 
         def ahead() -> bool:  # clearly ahead of even an optimistic plain step
@@ -424,7 +427,9 @@ class LengthPolicy:
         """hybridspec with parts switched off, for benchmarks that measure what each part brings (`hybridspec-X`):
         noextra: no router-correction extra token; nocounts: no routing statistics collected in served steps
         (the start-up profile's stand in); lean: both; nogate: speculates every step; nowidth: plans price the
-        step's drafting as sunk (budget_plan with the measured overhead), not the block they imply."""
+        step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
+        decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
+        path costs)."""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
@@ -436,6 +441,8 @@ class LengthPolicy:
             self.gate = None
         if "width" in parts:
             self.plans_width = False
+        if "plain" in parts:
+            self.gate.force_plain = True
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
