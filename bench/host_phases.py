@@ -61,7 +61,8 @@ class Phases:
         self.policy: str | None = None
         self.run: runner.ModelRunner | None = None  # the runner inside execute (its graph sets are the target's)
         self.stamps: dict[str, float] = {}  # this step's critical-path times (perf_counter s)
-        self.replay_events: tuple | None = None  # CUDA events around the target graph's replay
+        self.replay_events: tuple | None = None  # CUDA events around the target graph's replay (this step's)
+        self.replay_pair: tuple | None = None  # the one pair every step records (made on first use)
         self.last_exit: float | None = None
         self.step: dict[str, float] = collections.defaultdict(float)  # label -> ms in the current step
         self.acc: dict[tuple[str | None, str, str], list[float]] = collections.defaultdict(list)  # per-step ms
@@ -117,26 +118,33 @@ class Phases:
         """Timestamps of the target graph's replay (StepGraphs.run inside execute, on the runner's own sets) and of
         the step's first acceptance (the runner's `accept`: right after the read-back)."""
         run_graph = graphs.StepGraphs.run
+        replay = torch.cuda.CUDAGraph.replay
+        timing: list = []  # the event pair to record around the next replay (set inside a target graph's run)
+
+        def timed_replay(graph):
+            if not timing:
+                return replay(graph)
+            begin, end = timing
+            begin.record()
+            replay(graph)
+            end.record()
+        torch.cuda.CUDAGraph.replay = timed_replay
 
         def stamped_run(g, *a, **k):
             target = self.run is not None and g in self.run._graphs.values()
-            if target and g.capture and "replay" not in self.stamps:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                replay = torch.cuda.CUDAGraph.replay
-
-                def timed_replay(graph):
-                    begin.record()
-                    replay(graph)
-                    end.record()
-                torch.cuda.CUDAGraph.replay = timed_replay
+            first = target and "replay" not in self.stamps
+            if first and g.capture:
+                if self.replay_pair is None:  # one pair for every step: read before the next step records it
+                    self.replay_pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                timing[:] = self.replay_pair
                 try:
                     out = run_graph(g, *a, **k)
                 finally:
-                    torch.cuda.CUDAGraph.replay = replay
-                self.replay_events = (begin, end)
+                    timing.clear()
+                self.replay_events = self.replay_pair
             else:
                 out = run_graph(g, *a, **k)
-            if target and "replay" not in self.stamps:
+            if first:
                 self.stamps["replay"] = time.perf_counter()
                 key = a[0] if a else k.get("key")
                 if key is not None:  # which graph ran: a part of no time, counted (its steps: the row's count)

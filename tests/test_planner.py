@@ -1718,3 +1718,28 @@ def test_a_policy_swap_delivers_the_report_its_last_step_owed():
     del runner.execute
     assert res.tokens == [t[:2] for t in greedy] and runner._owed_stats is None
     assert reports[0] is owed and made == [old]  # the first step's result, the old policy's report
+
+
+def test_a_step_that_reads_nothing_back_starts_the_next_cycle_on_an_event(monkeypatch):
+    """A prefill chunk with nothing to sample leaves its forward running on the device (no read-back): even after
+    a plain hint, the next gate cycle starts on an event, not the host clock; a plain decode after a plain hint
+    (it read its token back, queued nothing after) starts it on the host clock."""
+    import types
+
+    from gate_clocks import record_cycle_clocks
+
+    from scheduler.types import SamplingParams, StepRequest
+
+    _, starts = record_cycle_clocks(monkeypatch)
+    model, runner, prompts, greedy, page_size, num_pages, serve, _ = _tiny_served(4)
+    runner.set_policy("hybridspec", 8)  # (a fresh _StepEnds of the stand-in kind)
+    runner.drafter = types.SimpleNamespace(name="none", release=lambda ids: None)  # (never asked to draft here)
+    monkeypatch.setattr(runner.policy, "wants_cycle", lambda b: True)
+    monkeypatch.setattr(runner.policy, "drafts_next", lambda contexts, sampled=True: False)  # the hint: plain
+    chunk = StepRequest("p", [3, 4, 5, 6], 0, [0], 0, False, SamplingParams(), 0, [])
+    runner._hinted_plain = True
+    runner.execute([chunk])
+    decode = StepRequest("p", [7], 4, [0], 0, True, SamplingParams(), 0, [3, 4, 5, 6, 7])
+    runner._hinted_plain = True
+    runner.execute([decode])
+    assert starts[-2:] == [False, True]

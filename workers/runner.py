@@ -37,10 +37,10 @@ class _ForwardTimer:
     acceptance has synchronized anyway (host clock on CPU). `events`: the pair to record (timing_events; re-recorded
     by the next timer, so this one is read first)."""
 
-    def __init__(self, device: torch.device, events: tuple | None = None):
+    def __init__(self, device: torch.device, events: tuple | None):
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.begin, self.end = events if events is not None else timing_events(device)
+            self.begin, self.end = events
             self.begin.record()
         else:
             self.t0 = time.perf_counter()
@@ -73,10 +73,10 @@ class _DraftTimer:
     the device reaches the drafting, after the previous step's tail), the host clock otherwise (a host-only
     drafter such as ngram, or CPU)."""
 
-    def __init__(self, device: torch.device, reads_back: bool, events: tuple | None = None):
+    def __init__(self, device: torch.device, reads_back: bool, events: tuple | None):
         self.cuda = device.type == "cuda" and reads_back
         if self.cuda:
-            self.begin, self.end = events if events is not None else timing_events(device)
+            self.begin, self.end = events
             self.begin.record()
         self.t0 = time.perf_counter()
 
