@@ -52,7 +52,9 @@ PARTS = ((runner.ModelRunner, "flush_learning", "flush_learning"), (graphs.StepG
          (policy.LengthPolicy, "fold_counts", "fold_counts"), (policy.LengthPolicy, "wants_cycle", "wants_cycle"),
          (policy.LengthPolicy, "draft_cap", "draft_cap"), (policy.LengthPolicy, "drafts_next", "drafts_next"),
          (policy.LengthPolicy, "keep_counts", "keep_counts"), (runner._StepEnds, "mark", "gate: mark"),
-         (runner._StepEnds, "step_ended", "gate: step_ended"), (runner._StepEnds, "resumed", "gate: resumed"))
+         (runner._StepEnds, "step_ended", "gate: step_ended"), (runner._StepEnds, "resumed", "gate: resumed"),
+         (runner._StepEnds, "end_mark", "gate: end_mark"), (runner.ModelRunner, "_read_distinct", "read_distinct"),
+         (policy.DeviceReadback, "__init__", "DeviceReadback"), (policy.LengthPolicy, "observe_extra", "observe_extra"))
 KINDS_OF_BATCH = [1, 64]  # batch sizes whose steps are reported (the full batch of the usual cells; --batches)
 
 
@@ -154,8 +156,12 @@ class Phases:
         accept = runner.accept
 
         def stamped_accept(*a, **k):
-            self.stamps.setdefault("accept", time.perf_counter())
-            return accept(*a, **k)
+            t = time.perf_counter()
+            self.stamps.setdefault("accept", t)
+            try:
+                return accept(*a, **k)
+            finally:
+                self.step["accept"] += (time.perf_counter() - t) * 1e3
         runner.accept = stamped_accept
 
     def critical_path(self, start: float, done: float) -> None:

@@ -37,7 +37,7 @@ def _model():
 
 
 def _forward(model, lens: list[int], fused_stats: bool, shared_max_n: int, collect_counts: bool = True,
-             collect_distinct: bool = True, forbid_kernel: bool = False):
+             collect_distinct: bool = True, forbid_kernel: bool = False, static_rows: int | None = None):
     """One prefill-shaped step from a fresh cache: (logits, MoEContext). Each request's last token is an extra
     row; the last token of the step is a padding row. `forbid_kernel`: the separate statistics kernel raises."""
     from kernels import dispatch
@@ -57,8 +57,11 @@ def _forward(model, lens: list[int], fused_stats: bool, shared_max_n: int, colle
     extra[ends] = True
     row_mask = torch.ones(n, dtype=torch.bool)
     row_mask[-1] = False
+    static = {} if static_rows is None else {  # a captured graph's static outputs (StepGraphs), NaN-free sentinels
+        "distinct_out": torch.full((static_rows,), -1, dtype=torch.int64),
+        "counts_out": torch.full((static_rows, cfg.num_experts), -1, dtype=torch.int64)}
     ctx = MoEContext(extra_rows=extra, row_mask=row_mask, collect_counts=collect_counts,
-                     collect_distinct=collect_distinct)
+                     collect_distinct=collect_distinct, **static)
     saved = (SparseMoe.FUSED_STATS, SparseMoe.SHARED_FUSE_MAX_N, dispatch.expert_counts, dispatch.distinct_experts)
 
     def forbidden(*args, **kwargs):
@@ -122,6 +125,30 @@ def model():
 def test_fused_statistics_equal_the_separate_kernel_on_the_references(model, case):
     result = _compare(model, *CASES[case])
     assert all(v <= 1e-6 for v in result.values()), result
+
+
+def test_static_statistics_outputs_are_the_step_tensors(model):
+    """With a graph's static outputs (MoEContext.distinct_out [layers], counts_out [layers, E]) layer i writes row
+    i: stacked_distinct() / counts_view() are those tensors themselves (no stack of small tensors), with the
+    values of the per-layer lists; where a layer's statistics did not go there (the separate kernel, or too few
+    rows) they fall back to a stack / the list, with the same values."""
+    lens, layers = [3, 1, 4], sum(1 for m in model.config.moe_layers if m)
+    _, ref = _forward(model, lens, True, 64)
+    _, fused = _forward(model, lens, True, 64, forbid_kernel=True, static_rows=layers)
+    assert fused.stacked_distinct() is fused.distinct_out and fused.counts_view() is fused.counts_out
+    assert torch.equal(fused.distinct_out, torch.stack(ref.distinct_experts))
+    assert torch.equal(fused.counts_out, torch.stack(ref.expert_counts))
+    assert all(d.data_ptr() == fused.distinct_out[i].data_ptr() for i, d in enumerate(fused.distinct_experts))
+    _, sep = _forward(model, lens, False, 64, static_rows=layers)  # the separate kernel: its own tensors
+    assert sep.stacked_distinct() is not sep.distinct_out and isinstance(sep.counts_view(), list)
+    assert torch.equal(sep.stacked_distinct(), fused.distinct_out) and int(sep.distinct_out.max()) == -1
+    _, short = _forward(model, lens, True, 64, forbid_kernel=True, static_rows=layers - 1)  # too few rows
+    assert short.stacked_distinct() is not short.distinct_out and isinstance(short.counts_view(), list)
+    assert torch.equal(short.stacked_distinct(), fused.distinct_out)
+    assert torch.equal(torch.stack(short.counts_view()), fused.counts_out)
+    _, only = _forward(model, lens, True, 64, collect_counts=False, forbid_kernel=True, static_rows=layers)
+    assert only.stacked_distinct() is only.distinct_out and only.counts_view() == []
+    assert torch.equal(only.distinct_out, fused.distinct_out)
 
 
 def test_expert_parallel_path_keeps_the_separate_kernel():

@@ -1402,6 +1402,32 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
     assert learned[-2:] == [(7.0, [1, 2]), (4.5, [4, 6])]
 
 
+def test_device_readbacks_reuse_a_buffer_once_it_was_read():
+    """DeviceReadback takes its host buffer (and on CUDA its event) from a free list per (dtype, size, device): a
+    read one goes back and carries the next read-back of that shape; one not read yet is never handed out again
+    (its values stay its own), nor is a buffer of another shape; values() may be called again (the same list)."""
+    from workers.policy import DeviceReadback
+
+    DeviceReadback._free.clear()
+    a = DeviceReadback(torch.tensor([1, 2, 3]))
+    b = DeviceReadback(torch.tensor([4, 5, 6]))  # a not read: its own buffer
+    assert a.host is not b.host
+    buffer_a = a.host
+    assert a.ready() and a.values() == [1, 2, 3] and a.values() == [1, 2, 3]
+    c = DeviceReadback(torch.tensor([7, 8, 9]))  # a's buffer, read: reused
+    assert c.host is buffer_a
+    d = DeviceReadback(torch.tensor([[1, 2], [3, 4]]))  # another size: a buffer of its own
+    assert d.host is not buffer_a and d.host is not b.host
+    assert b.values() == [4, 5, 6] and c.values() == [7, 8, 9] and d.values() == [1, 2, 3, 4]
+    assert a.values() == [1, 2, 3]  # a's list is not overwritten by c's use of its buffer
+    e = DeviceReadback(torch.tensor([1.5, 2.5]))  # float: its own key
+    assert e.values() == [1, 2]
+    for _ in range(3 * DeviceReadback.FREE_MAX):  # the free list stays bounded
+        DeviceReadback(torch.tensor([0, 0, 0])).values()
+    assert all(len(v) <= DeviceReadback.FREE_MAX for v in DeviceReadback._free.values())
+    DeviceReadback._free.clear()
+
+
 def test_hybridspec_drafts_only_what_its_recent_plans_verify():
     """hybridspec's draft cap at a batch-size bucket is the longest length of its recent plans there (their upper
     quantile) plus a margin (none before a few plans, none for other policies); plans that use the margin widen

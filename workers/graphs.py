@@ -121,6 +121,9 @@ class _Graph:
     row_index: np.ndarray | None = None  # [Nb] 0..Nb-1
     request_index: np.ndarray | None = None  # [R] 0..R-1
     staged_as: tuple | None = None  # (b, padding lengths): the array holds a plain decode of b requests
+    # the routing statistics' static outputs where `counts`: distinct [MoE layers] and counts [MoE layers, E] int64
+    distinct_out: Tensor | None = None
+    counts_out: Tensor | None = None
     plain_index: dict = field(default_factory=dict)  # b -> [5 b] offsets of a plain decode's per-step inputs
 
 
@@ -227,6 +230,11 @@ class StepGraphs:
                    plain=key.max_block == 1, staged=torch.cuda.Event() if pinned else None,
                    corrects=self.extra_token and key.max_block > 1 and key.requests >= self.extra_from,
                    counts=self.collect_counts and key.max_block > 1 and key.requests >= self.extra_from)
+        if g.counts:  # one row per MoE layer (MoEContext: the step's statistics are one tensor each)
+            cfg = self.model.config
+            layers = sum(cfg.moe_layers)
+            g.distinct_out = torch.zeros(layers, dtype=i64, device=device)
+            g.counts_out = torch.zeros(layers, cfg.num_experts, dtype=i64, device=device)
         self._attach_staging(g)
         # any valid layout for the capture (a used bucket always has nb <= r * max_block): all rows on padding
         # requests, on the spare page and slot
@@ -276,7 +284,8 @@ class StepGraphs:
         # token costs, and the statistics kernels were ~0.15 ms of a c=1 step's GPU time (step timeline at
         # 9b94ea4); the start-up profile gathers those batch sizes' statistics eagerly (ModelRunner.profile)
         g.moe = MoEContext(extra_rows=g.extra_rows if g.corrects else None,
-                           row_mask=g.row_mask, collect_counts=g.counts, collect_distinct=g.counts)
+                           row_mask=g.row_mask, collect_counts=g.counts, collect_distinct=g.counts,
+                           distinct_out=g.distinct_out, counts_out=g.counts_out)
         scratch = StepScratch({})  # block inputs of the verifying requests, for the commit graph
         out = self.model(g.batch, self.cache, None, write=g.write, scratch=scratch,
                          return_hidden=self.return_hidden, moe=g.moe, all_rows_into=g.logits)

@@ -386,7 +386,7 @@ class ModelRunner:
                             self.model(batch, self.cache, torch.arange(b * t, device=self.device), write=False,
                                        scratch=StepScratch({}), moe=eager_stats)
                         moe = eager_stats
-                    distinct = [int(x) for x in torch.stack(moe.distinct_experts).tolist()] \
+                    distinct = [int(x) for x in moe.stacked_distinct().tolist()] \
                         if moe.distinct_experts else None
                     self.policy.observe_profile(StepObservation([t] * b, context, timer.elapsed_ms(), distinct),
                                                 moe.expert_counts or None)
@@ -577,9 +577,9 @@ class ModelRunner:
         # learning itself waits for the next step's forward launch where deferred
         learning = (self.policy, self.drafter.name if self.drafter is not None else None, StepObservation(
             [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
-            self._read_distinct(moe.distinct_experts)
+            self._read_distinct(moe)
             if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
-            verified), self.policy.keep_counts(moe.expert_counts) if learns_experts and moe is not None else None)
+            verified), self.policy.keep_counts(moe.counts_view()) if learns_experts and moe is not None else None)
         self.policy.fold_counts()  # (a no-op unless COUNTS_FOLD_EVERY samples are in)
         self._learning = learning
         if not self.defer_learning:
@@ -630,11 +630,13 @@ class ModelRunner:
             if self.defer_learning:  # its distinct experts too, if on the host already (else at the next plan)
                 policy.settle_ready()
 
-    def _read_distinct(self, distinct: list[torch.Tensor]) -> "list[int] | DeviceReadback":
+    def _read_distinct(self, moe: MoEContext) -> "list[int] | DeviceReadback":
         """The step's distinct experts per MoE layer for the latency model. On CUDA an async copy to the host that
         the policy reads once it has arrived (after the next forward launch) or at its next plan: a synchronous read
-        here would wait for the commit the GPU is still running (~1 ms a step at c=1, bench/NOTES.md)."""
-        stacked = torch.stack(distinct)  # [MoE layers] (a copy: graph outputs are overwritten by the next replay)
+        here would wait for the commit the GPU is still running (~1 ms a step at c=1, bench/NOTES.md). A captured
+        graph's static output is copied to the host straight away: the copy is queued before the next replay
+        overwrites it."""
+        stacked = moe.stacked_distinct()  # [MoE layers]
         if self.device.type != "cuda":
             return [int(x) for x in stacked.tolist()]
         return DeviceReadback(stacked)
