@@ -60,6 +60,11 @@ class _EceBins:
         return sum(abs(p - h) for p, h in zip(self.pred, self.hit)) / tot if tot else float("nan")
 
 
+# a plan's reads (stale_ok) may serve maps this many times max_stale_reads reads old: the rebuild then falls to the
+# observation's read (off the critical path on CUDA), which comes every drafted step
+STALE_OK_FACTOR = 4
+
+
 class _DrafterMaps:
     """One drafter's binned isotonic maps, one per draft position (counts and calibrated values [positions,
     bins], the values rebuilt lazily for the positions that saw data) and its ECE bins."""
@@ -80,15 +85,19 @@ class _DrafterMaps:
         self._centre = (np.arange(num_bins) + 0.5) / num_bins  # [nb] bin centres
         self.raw, self.cal = _EceBins(), _EceBins()
 
-    def table(self) -> np.ndarray:
+    def table(self, stale_ok: bool = False) -> np.ndarray:
         """[P, nb] calibrated acceptance probability at each bin centre (non-decreasing along bins). With
         max_stale_reads > 0, up to that many reads after new counts are served the values as last built (a
         position never built is always built): the maps move slowly, and rebuilding them before every plan
-        was most of a learned policy's host time a step at c=1 (~0.2 ms on a CPU core, bench/NOTES.md)."""
+        was most of a learned policy's host time a step at c=1 (~0.2 ms on a CPU core, bench/NOTES.md).
+        `stale_ok` (a plan's read, on the step's critical path): stale values are served up to STALE_OK_FACTOR x
+        max_stale_reads reads, so the rebuild falls to a read that is not (the observation's scoring, which runs
+        while the next forward is on the device)."""
         if self._rows is None:
             dirty = np.flatnonzero(self._dirty)
             if len(dirty):
-                if self._stale_reads < self.max_stale_reads and self._built[dirty].all():
+                limit = self.max_stale_reads * (STALE_OK_FACTOR if stale_ok else 1)
+                if self._stale_reads < limit and self._built[dirty].all():
                     self._stale_reads += 1
                     return self._values
                 self._rebuild(dirty)
@@ -96,10 +105,10 @@ class _DrafterMaps:
                 self._stale_reads, self._stale_rows = 0, None
         return self._values
 
-    def rows(self) -> list[list[float]]:
+    def rows(self, stale_ok: bool = False) -> list[list[float]]:
         """table() as lists (per-draft lookups; one read of the maps)."""
         if self._rows is None:
-            values = self.table()
+            values = self.table(stale_ok)
             if self._dirty.any():  # served stale: kept as lists until the next rebuild
                 if self._stale_rows is None:
                     self._stale_rows = values.tolist()
@@ -107,7 +116,7 @@ class _DrafterMaps:
             self._rows = values.tolist()
         return self._rows
 
-    def interpolate(self, rows: np.ndarray, confidences: np.ndarray) -> np.ndarray:
+    def interpolate(self, rows: np.ndarray, confidences: np.ndarray, stale_ok: bool = False) -> np.ndarray:
         """_interpolate for many drafts at once: rows (map of each draft) and confidences broadcastable to one
         shape S -> [S], with the same arithmetic (the slope vals[lo + 1] - vals[lo] is stored per bin)."""
         nb = self.num_bins
@@ -115,7 +124,7 @@ class _DrafterMaps:
         x = np.fmin(np.fmax(x, 0.0), nb - 1.0)  # clamped to the outer centres (NaN: fmax gives 0)
         lo = x.astype(np.intp)  # int(x)
         idx = rows * nb + lo
-        values = self.table()
+        values = self.table(stale_ok)
         if self._slopes is None:
             self._slopes = np.zeros_like(values)
             self._slopes[:, :-1] = values[:, 1:] - values[:, :-1]
@@ -301,27 +310,29 @@ class AcceptanceCalibrator:
         last, nb = self.max_positions - 1, self.num_bins
         return [_interpolate(table[j if j < last else last], nb, c) for j, c in enumerate(confidences)]
 
-    def calibrate_rows(self, drafter: str, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
+    def calibrate_rows(self, drafter: str, confidences: Sequence[Sequence[float]],
+                       stale_ok: bool = False) -> list[list[float]]:
         """calibrate_row for every request of a step (rows may differ in length, empty ones too). Runs for every
         draft of every request before each step's plan: in numpy from _CALIBRATE_NUMPY_MIN drafts on."""
         lens = [len(row) for row in confidences]
         if sum(lens) >= _CALIBRATE_NUMPY_MIN:
-            rows = self.calibrate_array(drafter, confidences).tolist()
+            rows = self.calibrate_array(drafter, confidences, stale_ok).tolist()
             return rows if min(lens) == max(lens) else [r[:n] for r, n in zip(rows, lens)]
-        table = self._drafter(drafter).rows()  # one read of the maps for the whole step
+        table = self._drafter(drafter).rows(stale_ok)  # one read of the maps for the whole step
         return [self._calibrate_row(table, row) for row in confidences]
 
-    def calibrate_array(self, drafter: str, confidences: Sequence[Sequence[float]] | np.ndarray) -> np.ndarray:
+    def calibrate_array(self, drafter: str, confidences: Sequence[Sequence[float]] | np.ndarray,
+                        stale_ok: bool = False) -> np.ndarray:
         """calibrate_rows as a float64 array [B, K] (K: the longest row; 0.0 past each row's end). A float array
-        [B, K] of confidences is B rows of K drafts."""
+        [B, K] of confidences is B rows of K drafts. `stale_ok`: a plan's read (_DrafterMaps.table)."""
         if isinstance(confidences, np.ndarray):
             conf, lens = confidences.astype(np.float64, copy=False), None
         elif sum(len(row) for row in confidences) < _CALIBRATE_NUMPY_MIN:  # (a few drafts: the loop, padded)
-            return pad_rows(self.calibrate_rows(drafter, confidences))[0]
+            return pad_rows(self.calibrate_rows(drafter, confidences, stale_ok))[0]
         else:
             conf, lens = pad_rows(confidences)  # [B, K]
         K = conf.shape[1]
-        out = self._drafter(drafter).interpolate(np.minimum(np.arange(K), self.max_positions - 1), conf)
+        out = self._drafter(drafter).interpolate(np.minimum(np.arange(K), self.max_positions - 1), conf, stale_ok)
         if lens is not None and min(lens, default=K) < K:
             out[np.arange(K) >= np.array(lens)[:, None]] = 0.0
         return out

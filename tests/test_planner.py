@@ -971,6 +971,41 @@ def test_gate_thinning_times_only_sampled_steps_and_keeps_its_probes(monkeypatch
     assert any(hosts) and not all(hosts)  # plain stretches on the host clock, drafted steps' successors not
 
 
+def test_gate_thins_a_bucket_whose_plain_side_speculation_leaves_unexplored(monkeypatch):
+    """Where plain decoding is never explored (speculation ahead of the optimistic plain hint, e.g. c=1 at high
+    acceptance) its drafted cycles are timed every SAMPLE_EVERY-th step, not every step; once the hint catches
+    up, the next timed step explores plain decoding and every step is timed until plain is measured. An untimed
+    step never explores (its sample would be lost). Without SAMPLE_EVERY > 1 every step is timed."""
+    from workers.policy import SpeculationGate
+
+    monkeypatch.setattr(SpeculationGate, "SAMPLE_EVERY", 4)
+    gate = SpeculationGate()
+    for _ in range(3):  # the speculative side measured: 1 token per ms per request
+        assert gate.wants_sample(1) and gate.should_draft(1)
+        gate.observe(1, True, 5.0, 5.0)
+    hint = {"plain": 0.5}  # plain's optimistic rate: far behind speculation
+    timed = []
+    for _ in range(40):
+        t = gate.wants_sample(1)
+        assert gate.should_draft(1, lambda: hint["plain"], sampled=t)  # never explores plain
+        timed.append(t)
+        if t:
+            gate.observe(1, True, 5.0, 5.0)
+    assert sum(timed) == 40 // 4 and gate.own.get((1, False), 0) == 0
+    hint["plain"] = 2.0  # now plain looks faster: the next untimed step still drafts, a timed one explores
+    while gate.wants_sample(1) is False:
+        assert gate.should_draft(1, lambda: hint["plain"], sampled=False)
+    assert not gate.should_draft(1, lambda: hint["plain"], sampled=True)
+    gate.observe(1, False, 1.0, 0.5)
+    assert all(gate.wants_sample(1) for _ in range(8))  # until plain has its MIN_SAMPLES
+    monkeypatch.setattr(SpeculationGate, "SAMPLE_EVERY", 1)
+    other = SpeculationGate()
+    for _ in range(3):
+        other.observe(2, True, 5.0, 5.0)
+    other.should_draft(2, 0.5)
+    assert all(other.wants_sample(2) for _ in range(8))
+
+
 def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
     """On CUDA a step's learning (policy.observe) waits for the next step's forward launch, so the host learns
     while the device runs it (runner.defer_learning; forced on here on CPU): step j's observation is learned
@@ -1673,6 +1708,24 @@ def test_calibration_serves_its_maps_stale_for_a_few_reads_at_most():
     fresh = exact.calibrate_rows("d", rows)
     assert fresh != [last[0][:2]] * 6
     assert [lazy.calibrate_rows("d", rows) for _ in range(3)] == [[last[0][:2]] * 6] * 2 + [fresh]
+    # a plan's reads (stale_ok) serve the last maps up to STALE_OK_FACTOR x max_stale_reads reads, so that the
+    # rebuild falls to the next other read (the observation's scoring); the default calibrator stays exact
+    from scheduler.calibration import STALE_OK_FACTOR
+    last = exact.calibrate_array("d", conf).tolist()
+    assert lazy.calibrate_array("d", conf).tolist() == last  # both up to date
+    for cal in (exact, lazy):
+        cal.observe_step("d", [([0.9, 0.8, 0.7], 3, 0)] * 200)
+    fresh = exact.calibrate_array("d", conf, stale_ok=True).tolist()
+    assert fresh != last and exact.calibrate_array("d", conf).tolist() == fresh
+    stale_ok_reads = [lazy.calibrate_array("d", conf, stale_ok=True).tolist() for _ in range(2 * STALE_OK_FACTOR)]
+    assert stale_ok_reads == [last] * (2 * STALE_OK_FACTOR)  # past max_stale_reads, still the last maps
+    assert lazy.calibrate_array("d", conf, stale_ok=True).tolist() == fresh  # the bound: rebuilt
+    lazy.observe_step("d", [([0.9, 0.8, 0.7], 3, 3)] * 200)
+    exact.observe_step("d", [([0.9, 0.8, 0.7], 3, 3)] * 200)
+    newer = exact.calibrate_array("d", conf).tolist()
+    assert [lazy.calibrate_array("d", conf, stale_ok=True).tolist() for _ in range(3)] == [fresh] * 3
+    assert lazy.calibrate_array("d", conf).tolist() == newer  # an ordinary read past the limit rebuilds
+    assert lazy.calibrate_rows("d", rows, stale_ok=True) == exact.calibrate_rows("d", rows)
     with pytest.raises(ValueError, match="max_stale_reads must be >= 0"):
         AcceptanceCalibrator(max_stale_reads=-1)
 
