@@ -321,6 +321,14 @@ class AcceptanceCalibrator:
         table = self._drafter(drafter).rows(stale_ok)  # one read of the maps for the whole step
         return [self._calibrate_row(table, row) for row in confidences]
 
+    def calibrate_for_plan(self, drafter: str, confidences: Sequence[Sequence[float]]) -> "list[list[float]] | np.ndarray":
+        """A plan's read (stale_ok): calibrate_rows' lists below _CALIBRATE_NUMPY_MIN drafts (the survival and the
+        budget search then run their loops too: numpy's per-call overhead was most of a B=1 plan), else
+        calibrate_array's [B, K] array. The same values either way (0.0 past a row's end in the array)."""
+        if sum(len(row) for row in confidences) < _CALIBRATE_NUMPY_MIN:
+            return self.calibrate_rows(drafter, confidences, stale_ok=True)
+        return self.calibrate_array(drafter, confidences, stale_ok=True)
+
     def calibrate_array(self, drafter: str, confidences: Sequence[Sequence[float]] | np.ndarray,
                         stale_ok: bool = False) -> np.ndarray:
         """calibrate_rows as a float64 array [B, K] (K: the longest row; 0.0 past each row's end). A float array

@@ -1257,6 +1257,53 @@ def test_hybridspec_cost_table_is_rebuilt_by_the_learning_not_by_the_plan(monkey
     assert isinstance(cost, SlopeFloor) and cost.table is built
 
 
+def test_the_learning_primes_the_next_plans_costs_and_the_plans_stay_the_same(monkeypatch):
+    """After a served sample the learning computes the bucket's measured cost of every decode token count
+    (prime_step_cost: inside the next forward on CUDA): the plan's step_cost is that same object while table and
+    floor stay, its costs_ms reads a slice (no table walk), bit for bit equal to a fresh SlopeFloor's, shorter ranges
+    included, a copy the caller may change; a rebuilt table or another floor gives a new one. The plans equal
+    those of a policy that never primed."""
+    import copy
+
+    import numpy as np
+
+    from workers.policy import LengthPolicy, SlopeFloor, StepObservation
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    policies = [LengthPolicy("hybridspec", cfg, max_verify_len=8) for _ in range(2)]
+    for policy in policies:
+        policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
+        for t, ms in ((2, 5.0), (10, 9.0), (18, 9.5)):
+            policy.observe_profile(StepObservation([t // 2] * 2, [10, 10], ms, None), None)
+    primed, plain = policies
+    monkeypatch.setattr(plain, "prime_step_cost", lambda batch_size: None)
+    survival = [[0.9 ** (j + 1) for j in range(8)], [0.6 ** (j + 1) for j in range(8)]]
+    for ms in (7.0, 7.4, 6.8, 8.1):
+        for policy in policies:
+            policy.observe(None, StepObservation([5, 1], [300, 30], ms, None), None)
+        cost = primed.step_cost([1, 1], [300, 30], 20)
+        assert isinstance(cost, SlopeFloor) and 2 in cost._memo and cost._memo[2].shape[0] == 2 * (8 + 2) - 1
+        assert cost is primed.step_cost([1, 1], [300, 30], 20)  # the same object while nothing changed
+        fresh = SlopeFloor(copy.deepcopy(cost.table), cost.floor)  # (its own table: the counter below is cost's)
+        calls = {"n": 0}
+        real = cost.table.costs_ms
+        monkeypatch.setattr(cost.table, "costs_ms", lambda lo, hi: calls.__setitem__("n", calls["n"] + 1) or real(lo, hi))
+        for hi in (2, 7, 18, 20):
+            got = cost.costs_ms(2, hi)
+            assert calls["n"] == 0 and np.array_equal(got, fresh.costs_ms(2, hi)), hi
+        got[:] = -1.0  # a copy: the memo is untouched
+        assert np.array_equal(cost.costs_ms(2, 20), fresh.costs_ms(2, 20))
+        assert np.array_equal(cost.costs_ms(3, 9), fresh.costs_ms(3, 9)) and calls["n"] == 1  # another origin
+        monkeypatch.undo()
+        monkeypatch.setattr(plain, "prime_step_cost", lambda batch_size: None)
+        assert primed._plan_hybridspec(survival, [8, 8], [1, 1], [300, 30]) == \
+            plain._plan_hybridspec(survival, [8, 8], [1, 1], [300, 30])
+        assert primed._predicted_ms == plain._predicted_ms
+    before = primed.step_cost([1, 1], [300, 30], 20)
+    primed.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.001)  # another floor
+    assert primed.step_cost([1, 1], [300, 30], 20) is not before
+
+
 def test_every_drafting_policy_measures_its_drafting_and_the_rest_of_its_steps():
     """budget and fixed keep the drafter's ms by rows and the rest of a drafted step as hybridspec does (a
     diagnostic: their overheads beyond the forward compare with hybridspec's measured); their plans do not read

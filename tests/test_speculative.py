@@ -394,8 +394,9 @@ def test_the_startup_profile_gathers_small_batches_statistics_eagerly():
     anchors = []
     observe_profile = runner.policy.observe_profile
 
-    def spy(obs, counts):
-        anchors.append((len(obs.tokens_per_request), obs.tokens_per_request[0], obs.distinct_experts, counts))
+    def spy(obs, counts):  # (counts copied: a graph's are views of its static outputs, rewritten by its next run)
+        anchors.append((len(obs.tokens_per_request), obs.tokens_per_request[0], obs.distinct_experts,
+                        [c.clone() for c in counts] if counts else counts))
         observe_profile(obs, counts)
     runner.policy.observe_profile = spy
     runner.profile(max_batch=2 * EXTRA_FROM)  # sizes 1, EXTRA_FROM // 2 and 2 x EXTRA_FROM

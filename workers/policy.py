@@ -15,6 +15,7 @@ seen enough steps it explores with `fixed` lengths (an online start-up profile).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ CALIBRATION_STALE_READS = 7
 # hybridspec's measured step cost rises by at least min(the latency model's ms_per_token, this fraction of the cost
 # table's mean rise a token over its span) a token (step_cost)
 SLOPE_FLOOR_CHORD = 0.5
+SLOPE_MEMO_MAX = 8  # token-count origins (lo) a SlopeFloor keeps its costs for
 SLOPE_FLOOR_MIN = 0.25  # ... but at least this fraction of the model's ms_per_token
 
 
@@ -100,13 +102,24 @@ class SlopeFloor:
 
     table: TokenCostTable
     floor: float
+    # lo -> the longest costs_ms(lo, hi) computed so far: a shorter hi is its prefix, bit for bit (the table's
+    # costs are pointwise and the running max goes left to right), so a plan reads a slice of what the learning
+    # computed in advance (LengthPolicy.prime_step_cost) instead of building it on the step's critical path
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def costs_ms(self, lo: int, hi: int) -> np.ndarray:
         """[cost(n) for n in lo..hi]: out[i] = max over j <= i of table[j] + (i - j) floor (a running max; equal to
-        the sequential out[i] = max(out[i], out[i-1] + floor) up to the last bits of a float)."""
+        the sequential out[i] = max(out[i], out[i-1] + floor) up to the last bits of a float). A copy: the caller
+        may change it."""
+        known = self._memo.get(lo)
+        if known is not None and known.shape[0] > hi - lo:
+            return known[:hi - lo + 1].copy()
         out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
         step = self.floor * np.arange(out.shape[0], dtype=np.float64)
-        return np.maximum.accumulate(out - step) + step
+        out = np.maximum.accumulate(out - step) + step
+        if len(self._memo) < SLOPE_MEMO_MAX or lo in self._memo:
+            self._memo[lo] = out
+        return out.copy()
 
     def cost_ms(self, num_tokens: float) -> float:
         n = int(num_tokens)
@@ -217,6 +230,8 @@ class SpeculationGate:
         if b in self.inherited or own.get((b, True), 0) < least:
             return True
         if own.get((b, False), 0) < least:
+            if self.force_plain:  # (the ablation: every step plain, so every one of them timed until measured)
+                return True
             # plain decoding unexplored while speculation leads the optimistic hint (c=1 at high acceptance):
             # nothing to probe, the speculative rate is refreshed every SAMPLE_EVERY-th step (every drafted step
             # was timed there: two CUDA events and the cycle's read, ~0.12 ms of a 7.4 ms step on the H200 host)
@@ -250,8 +265,9 @@ class SpeculationGate:
     def would_draft(self, batch_size: int, plain_hint: float | None | Callable[[], float | None] = None,
                     sampled: bool = True) -> bool:
         """should_draft's answer for the next step at this batch size, counting nothing (the runner's draft-cap
-        hint: the scheduler reserves draft pages only for a step that will draft). A bucket met for the first
-        time answers True (its inherited verdict is settled when the step comes)."""
+        hint: the scheduler reserves draft pages only for a step that will draft; it does record, as every
+        verdict, whether the bucket leaves plain decoding unexplored). A bucket met for the first time answers
+        True (its inherited verdict is settled when the step comes)."""
         b = self.bucket(batch_size)
         if (b, True) not in self.samples and (b, False) not in self.samples:
             return True
@@ -337,14 +353,17 @@ class DeviceReadback:
     ~0.05 ms of host a read-back on the H200 host); one never read (dropped) is simply not reused."""
 
     _free: dict[tuple, list[tuple[torch.Tensor, "torch.cuda.Event"]]] = {}
+    _lock = threading.Lock()  # the free list is the process's (one engine thread today; a lock costs ~0.1 us)
     FREE_MAX = 8  # buffers kept per (dtype, size)
 
     def __init__(self, values: torch.Tensor):
         flat = values.reshape(-1)
         self._key = (flat.dtype, flat.numel(), flat.device)
-        free = self._free.get(self._key)
-        if free:
-            self.host, self.event = free.pop()
+        with self._lock:
+            free = self._free.get(self._key)
+            reused = free.pop() if free else None
+        if reused is not None:
+            self.host, self.event = reused
         else:
             self.host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=values.is_cuda)
             self.event = torch.cuda.Event() if values.is_cuda else None
@@ -359,13 +378,16 @@ class DeviceReadback:
 
     def values(self) -> list[int]:
         if self._read is None:
-            if self.event is not None:
-                self.event.synchronize()
-            self._read = [int(x) for x in self.host.tolist()]
-            free = self._free.setdefault(self._key, [])  # read: its buffer and event may carry the next one
-            if len(free) < self.FREE_MAX:
-                free.append((self.host, self.event))
-            self.host = self.event = None  # type: ignore[assignment]
+            event = self.event
+            if event is not None:  # (waited for outside the lock)
+                event.synchronize()
+            with self._lock:  # (two readers of one read-back must not both give its buffer back)
+                if self._read is None:
+                    self._read = [int(x) for x in self.host.tolist()]
+                    free = self._free.setdefault(self._key, [])  # read: its buffer and event carry the next one
+                    if len(free) < self.FREE_MAX:
+                        free.append((self.host, self.event))
+                    self.host = self.event = None  # type: ignore[assignment]
         return self._read
 
 
@@ -399,6 +421,7 @@ class LengthPolicy:
         self.profile_costs: dict[int, TokenCostTable] = {}
         self.profile_scale: dict[int, float] = {}  # per bucket: EWMA of served ms / profile ms at its token count
         self._cost_tables: dict[int, TokenCostTable | None] = {}  # cost_table's cache (rebuilt on a new sample)
+        self._slope_floors: dict[int, SlopeFloor] = {}  # step_cost's measured cost per bucket (_slope_floor)
         self.expected_tokens: float | None = None  # the last hybridspec plan's expected output tokens
         self._last_plan: tuple | None = None  # (survival, cost, plan, base tokens) of this step's plan
         self.extra_keep: dict[int, tuple[float, float]] = {}  # bucket -> decayed (kept, sent) extra tokens
@@ -611,8 +634,10 @@ class LengthPolicy:
         if self.name == "fixed" or not self.warm():
             return fixed_lengths(caps, self.max_verify_len)
         # [B, K] calibrated acceptance (0 past each request's drafts: caps are clipped to them) -> survival
-        # (stale_ok: the maps' rebuild is left to the observation, off the critical path on CUDA)
-        survival = survival_from_acceptance(self.calibrator.calibrate_array(drafter, confidences, stale_ok=True))
+        # (stale_ok: the maps' rebuild is left to the observation, off the critical path on CUDA). A few drafts go
+        # through the lists' loops (calibration, survival and the budget search all run their loops below their
+        # numpy thresholds; numpy's per-call overhead was most of a B=1 plan), the others as a [B, K] array
+        survival = survival_from_acceptance(self.calibrator.calibrate_for_plan(drafter, confidences))
         if self.name == "budget":
             plan = budget_plan(survival, caps, self.token_costs, sum(tokens))
             self._predicted_ms = plan.step_ms
@@ -628,17 +653,39 @@ class LengthPolicy:
         rises by at least a floor a token (SlopeFloor): points that are no longer refreshed can flatten it, and a
         flat cost would make every draft look free. The floor is the model's ms_per_token, but no more than
         SLOPE_FLOOR_CHORD of the table's own mean rise and no less than SLOPE_FLOOR_MIN of the model's."""
-        table = self.cost_table(len(tokens))
-        if table is not None and len(table.tokens) >= 2:
-            floor = self.latency.coefs.ms_per_token if self.latency.coefs is not None else 0.0
-            # at most a fraction of the table's own mean rise a token: the model's ms_per_token is one slope for
-            # every batch size, and at c=1 it held the measured table's 0.08 ms a token at ~0.15-0.2 (plans of
-            # 10-12 drafts where 15 paid: bench/NOTES.md, 30f35fb)
-            # (and at least SLOPE_FLOOR_MIN of the model's: a flat or falling table keeps a floor)
-            chord = (table.step_ms[-1] - table.step_ms[0]) / (table.tokens[-1] - table.tokens[0])
-            return SlopeFloor(table, min(floor, max(SLOPE_FLOOR_CHORD * chord, SLOPE_FLOOR_MIN * floor)))
+        measured = self._slope_floor(SpeculationGate.bucket(len(tokens)))
+        if measured is not None:
+            return measured
         base = StepComposition(tokens, contexts, self.num_moe_layers)
         return self.latency.token_cost(base, self._distinct_upto(max_tokens))
+
+    def _slope_floor(self, b: int) -> "SlopeFloor | None":
+        """step_cost's measured cost at bucket b (None: fewer than two token counts there), one object while its
+        table and floor stay the same (its costs_ms keeps what was computed, prime_step_cost's included)."""
+        table = self.cost_table(b)
+        if table is None or len(table.tokens) < 2:
+            return None
+        floor = self.latency.coefs.ms_per_token if self.latency.coefs is not None else 0.0
+        # at most a fraction of the table's own mean rise a token: the model's ms_per_token is one slope for
+        # every batch size, and at c=1 it held the measured table's 0.08 ms a token at ~0.15-0.2 (plans of
+        # 10-12 drafts where 15 paid: bench/NOTES.md, 30f35fb)
+        # (and at least SLOPE_FLOOR_MIN of the model's: a flat or falling table keeps a floor)
+        chord = (table.step_ms[-1] - table.step_ms[0]) / (table.tokens[-1] - table.tokens[0])
+        floor = min(floor, max(SLOPE_FLOOR_CHORD * chord, SLOPE_FLOOR_MIN * floor))
+        cached = self._slope_floors.get(b)
+        if cached is not None and cached.table is table and cached.floor == floor:
+            return cached
+        self._slope_floors[b] = made = SlopeFloor(table, floor)
+        return made
+
+    def prime_step_cost(self, batch_size: int) -> None:
+        """Computes, ahead of the next plan at this batch size, its measured cost of a decode step's every token
+        count (batch_size .. batch_size x (max_verify_len + 2)): called by the learning, which runs inside the next
+        forward on CUDA, right after the table was rebuilt there; the plan then reads a slice (SlopeFloor). A
+        pure cache: the plan's costs are the same."""
+        cost = self._slope_floor(SpeculationGate.bucket(batch_size))
+        if cost is not None:
+            cost.costs_ms(batch_size, batch_size * (self.max_verify_len + 2))
 
     def cost_table(self, batch_size: int) -> TokenCostTable | None:
         """The forward ms by token count at this batch size's bucket: every token count a served step measured,
@@ -892,6 +939,8 @@ class LengthPolicy:
                 # the plan reads the same one (~0.05 ms of a c=1 hybridspec step's plan on this CPU, /tmp probe
                 # at 44cd073; rebuilt after every served sample of the bucket, plain ones too)
                 self._cost_tables[b] = self._build_cost_table(b)
+                if not anchor:  # the next plan's costs at this batch size, off its critical path
+                    self.prime_step_cost(comp.num_requests)
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
         """Prediction errors: the latency model's (prequential, % of the measured step) and, for `drafter`, the
