@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.executor import freeze_heap  # noqa: E402
 from scheduler.memory import MemoryManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
@@ -249,9 +250,11 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
     latency model and calibration) and keeps its LengthPolicy in `learned`; later runs continue with it."""
     if policy == "ar":
         runner.drafter = None
+        freeze_heap()  # every measured run starts as a started engine serves: its heap frozen (engine/executor.py)
         return serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
     if policy == "ar-drafter":  # ar with the replay drafter attached (never asked: no drafts, no draft pages)
         runner.drafter = replay
+        freeze_heap()
         res = serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
         res.policy = policy
         return res
@@ -268,6 +271,7 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
         # warm-up: captures this policy's graph buckets, refines its latency model and calibration
         serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy, keep_policy=True)
         learned[policy] = runner.policy
+    freeze_heap()
     res = serve(runner, prompts, max_new, k, page_size, num_pages, policy, keep_policy=True)
     res.policy = policy
     return res

@@ -130,3 +130,29 @@ def test_cli_reports_bad_input_with_the_field():
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "x", "--max-new-tokens", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "max_new_tokens must be between 1 and 8192, got 0" in proc.stderr
+
+
+def test_a_started_worker_freezes_its_heap_and_later_garbage_is_still_collected(llm):
+    """build_runner ends with freeze_heap: the start-up's objects leave the cyclic GC's generations (a full
+    collection while serving then walks only what serving made), the engine still serves, and a reference cycle
+    made before a freeze is collected by the next freeze (it unfreezes first)."""
+    import gc
+    import weakref
+
+    from engine.executor import freeze_heap
+
+    assert gc.get_freeze_count() > 0  # the fixture's engine froze its start-up heap
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    before = llm.generate(["hello"], params)[0].token_ids
+    assert len(before) == 4 and llm.generate(["hello"], params)[0].token_ids == before
+
+    class Node:
+        pass
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the cyclic GC frees it
+    alive = weakref.ref(a)
+    frozen = freeze_heap()
+    assert frozen > 0 and alive() is not None  # still referenced: frozen with the rest
+    del a, b
+    freeze_heap()
+    assert alive() is None and gc.get_freeze_count() > 0
