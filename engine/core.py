@@ -46,6 +46,10 @@ class EngineConfig:
     expert_parallel: int = 1  # > 1 with executor "ray": experts sharded over this many workers
     # start-up profile of the latency model (ModelRunner.profile) for the learned policies; None = on CUDA only
     startup_profile: bool | None = None
+    # the started worker's heap frozen out of Python's cyclic GC (engine/executor.py freeze_heap: no full walk of
+    # the start-up objects inside a served step); None = on CUDA only (it freezes the whole process's objects of
+    # the moment: an in-process LLM on CPU leaves its caller's heap alone)
+    freeze_heap: bool | None = None
 
     def validate(self) -> "EngineConfig":
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -59,6 +63,11 @@ class EngineConfig:
         for name in ("page_size", "max_running", "max_step_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, optional in (("cuda_graphs", False), ("startup_profile", True), ("freeze_heap", True)):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (optional and value is None):
+                allowed = "True, False or None (the device's default)" if optional else "True or False"
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
         return self
 
 
@@ -106,6 +115,7 @@ class EngineCore:
             startup_profile=(config.startup_profile if config.startup_profile is not None
                              else config.device.startswith("cuda"))
             and speculating and config.policy in ("budget", "hybridspec"),
+            freeze_heap=config.freeze_heap if config.freeze_heap is not None else config.device.startswith("cuda"),
             graph_pages_per_request=-(-self.max_model_len // config.page_size) if config.cuda_graphs else 0))
         self.live: dict[str, _Live] = {}
         self.policy_stats: dict[str, float] = {}  # the worker's latest latency-model / calibration errors

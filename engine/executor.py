@@ -36,6 +36,7 @@ class WorkerSpec:
     graph_pages_per_request: int = 0  # > 0 on CUDA: capture decode graphs for page tables this wide
     expert_parallel: int = 1  # > 1 (executor "ray"): experts sharded over this many workers (engine/ep_executor.py)
     startup_profile: bool = False  # fit the latency model on synthetic steps before serving (ModelRunner.profile)
+    freeze_heap: bool = False  # after start-up, freeze the process's objects out of the cyclic GC (freeze_heap)
 
 
 def build_runner(spec: WorkerSpec) -> ModelRunner:
@@ -58,7 +59,8 @@ def build_runner(spec: WorkerSpec) -> ModelRunner:
     if spec.startup_profile:
         fitted = runner.profile(spec.num_slots)
         log.info("start-up profile: %s", fitted)
-    freeze_heap()  # start-up is done: what lives now lives for the process
+    if spec.freeze_heap:  # start-up is done: what lives now lives for the process
+        freeze_heap()
     return runner
 
 

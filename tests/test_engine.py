@@ -133,18 +133,25 @@ def test_cli_reports_bad_input_with_the_field():
 
 
 def test_a_started_worker_freezes_its_heap_and_later_garbage_is_still_collected(llm):
-    """build_runner ends with freeze_heap: the start-up's objects leave the cyclic GC's generations (a full
-    collection while serving then walks only what serving made), the engine still serves, and a reference cycle
-    made before a freeze is collected by the next freeze (it unfreezes first)."""
+    """freeze_heap=True (the default on CUDA): build_runner ends with freeze_heap, the start-up's objects leave
+    the cyclic GC's generations (a full collection while serving then walks only what serving made), the engine
+    still serves the same tokens; off (the default on CPU) nothing is frozen; a reference cycle made before a
+    freeze is collected by the next freeze (it unfreezes first)."""
     import gc
     import weakref
 
     from engine.executor import freeze_heap
 
-    assert gc.get_freeze_count() > 0  # the fixture's engine froze its start-up heap
+    gc.unfreeze()
+    LLM(max_running=2)  # CPU default: the caller's heap is left alone
+    assert gc.get_freeze_count() == 0
+    frozen = LLM(max_running=2, freeze_heap=True)
+    assert gc.get_freeze_count() > 0
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     before = llm.generate(["hello"], params)[0].token_ids
-    assert len(before) == 4 and llm.generate(["hello"], params)[0].token_ids == before
+    assert len(before) == 4 and frozen.generate(["hello"], params)[0].token_ids == before
+    with pytest.raises(ValueError, match="freeze_heap"):
+        LLM(freeze_heap="yes")
 
     class Node:
         pass
@@ -156,3 +163,4 @@ def test_a_started_worker_freezes_its_heap_and_later_garbage_is_still_collected(
     del a, b
     freeze_heap()
     assert alive() is None and gc.get_freeze_count() > 0
+    gc.unfreeze()  # (the other tests' process as it was)
