@@ -1294,6 +1294,7 @@ def test_the_learning_primes_the_next_plans_costs_and_the_plans_stay_the_same(mo
         got[:] = -1.0  # a copy: the memo is untouched
         assert np.array_equal(cost.costs_ms(2, 20), fresh.costs_ms(2, 20))
         assert np.array_equal(cost.costs_ms(3, 9), fresh.costs_ms(3, 9)) and calls["n"] == 1  # another origin
+        assert cost.costs_ms(2, 1).shape == fresh.costs_ms(2, 1).shape == (0,)  # an empty range stays empty
         monkeypatch.undo()
         monkeypatch.setattr(plain, "prime_step_cost", lambda batch_size: None)
         assert primed._plan_hybridspec(survival, [8, 8], [1, 1], [300, 30]) == \
@@ -1302,6 +1303,29 @@ def test_the_learning_primes_the_next_plans_costs_and_the_plans_stay_the_same(mo
     before = primed.step_cost([1, 1], [300, 30], 20)
     primed.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.001)  # another floor
     assert primed.step_cost([1, 1], [300, 30], 20) is not before
+
+
+def test_a_sample_settled_by_the_plan_does_not_prime_the_costs_there(monkeypatch):
+    """A step time still on its way to the host is learned at the next plan or observation; learned at the plan
+    (its critical path) it does not prime the next plan's costs (the plan computes what it needs), learned at an
+    observation it does."""
+    from workers.policy import DeviceReadback, LengthPolicy, StepObservation
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.1)
+    for t, ms in ((2, 5.0), (10, 9.0), (18, 9.5)):
+        policy.observe_profile(StepObservation([t // 2] * 2, [10, 10], ms, None), None)
+    primed = []
+    monkeypatch.setattr(policy, "prime_step_cost", lambda batch_size: primed.append(batch_size))
+    on_its_way = lambda ms: StepObservation([5, 1], [300, 30], ms, DeviceReadback(torch.tensor([3, 4])))
+    policy.observe(None, on_its_way(7.0), None)
+    assert primed == [] and policy._unsettled is not None
+    policy.lengths("replay", [2, 2], [[0.9, 0.9], [0.9, 0.9]], [1, 1], [300, 30])  # settled by the plan
+    assert policy._unsettled is None and primed == []
+    policy.observe(None, on_its_way(7.2), None)
+    policy.observe(None, StepObservation([5, 1], [301, 31], 7.1, [3, 4]), None)  # settles the one before, learns
+    assert primed == [2, 2]
 
 
 def test_every_drafting_policy_measures_its_drafting_and_the_rest_of_its_steps():
@@ -1464,7 +1488,7 @@ def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan(
     cfg = _moe_config()
     policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
     learned = []
-    policy._learn_step_time = lambda obs, anchor=False: learned.append((obs.forward_ms, obs.distinct_experts))
+    policy._learn_step_time = lambda obs, anchor=False, prime=True: learned.append((obs.forward_ms, obs.distinct_experts))
     def step(ms, distinct, turn):
         return StepObservation([3, 3], [40, 40], ms, DeviceReadback(torch.tensor(distinct)))
 

@@ -112,7 +112,7 @@ class SlopeFloor:
         the sequential out[i] = max(out[i], out[i-1] + floor) up to the last bits of a float). A copy: the caller
         may change it."""
         known = self._memo.get(lo)
-        if known is not None and known.shape[0] > hi - lo:
+        if known is not None and known.shape[0] > hi - lo >= 0:
             return known[:hi - lo + 1].copy()
         out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
         step = self.floor * np.arange(out.shape[0], dtype=np.float64)
@@ -374,7 +374,8 @@ class DeviceReadback:
 
     def ready(self) -> bool:
         """Whether values() would not wait."""
-        return self._read is not None or self.event is None or self.event.query()
+        event = self.event  # (read once: values() in another thread may give it back meanwhile)
+        return self._read is not None or event is None or event.query()
 
     def values(self) -> list[int]:
         if self._read is None:
@@ -626,7 +627,7 @@ class LengthPolicy:
     def lengths(self, drafter: str, caps: list[int], confidences: list[list[float]], tokens: list[int],
                 contexts: list[int]) -> list[int]:
         """caps/confidences per request of the step (prefill rows: cap 0, no confidences)."""
-        self._settle()
+        self._settle(prime=False)  # (on the plan's critical path: no priming here, the plan computes what it needs)
         self._last_plan = None
         if self.name == "ar":
             return [0] * len(caps)
@@ -899,14 +900,15 @@ class LengthPolicy:
         if self._unsettled is not None and self._unsettled.distinct_experts.ready():
             self._settle()
 
-    def _settle(self) -> None:
-        """Learns the step time whose distinct experts were still on their way to the host."""
+    def _settle(self, prime: bool = True) -> None:
+        """Learns the step time whose distinct experts were still on their way to the host (`prime=False`: from
+        the plan, which computes its own costs: no prime_step_cost on its critical path)."""
         obs, self._unsettled = self._unsettled, None
         if obs is not None:
             obs.distinct_experts = obs.distinct_experts.values()
-            self._learn_step_time(obs)
+            self._learn_step_time(obs, prime=prime)
 
-    def _learn_step_time(self, obs: StepObservation, anchor: bool = False) -> None:
+    def _learn_step_time(self, obs: StepObservation, anchor: bool = False, prime: bool = True) -> None:
         """The latency model and the token-cost table learn a measured step (forward_ms None: not a measurement);
         `anchor`: a start-up profile step, kept in every later fit of the latency model."""
         if obs.forward_ms is None:
@@ -939,7 +941,7 @@ class LengthPolicy:
                 # the plan reads the same one (~0.05 ms of a c=1 hybridspec step's plan on this CPU, /tmp probe
                 # at 44cd073; rebuilt after every served sample of the bucket, plain ones too)
                 self._cost_tables[b] = self._build_cost_table(b)
-                if not anchor:  # the next plan's costs at this batch size, off its critical path
+                if prime and not anchor:  # the next plan's costs at this batch size, off its critical path
                     self.prime_step_cost(comp.num_requests)
 
     def stats(self, drafter: str | None = None) -> dict[str, float]:
