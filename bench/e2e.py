@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -243,6 +244,16 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                      between_s, between_gaps)
 
 
+def measured_start(args) -> None:
+    """Before a measured run: the heap frozen out of the cyclic GC as a started engine's (--freeze-heap 1), else
+    one full collection (the same start, the heap left in the collector's generations)."""
+    if getattr(args, "freeze_heap", 1):
+        freeze_heap()
+    else:
+        gc.unfreeze()
+        gc.collect()
+
+
 def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,
                max_new: int, args, page_size: int, num_pages: int, learned: dict) -> RunResult:
     """One measured run of `policy` in a cell. The first run of a policy in the cell starts it as the engine does
@@ -250,11 +261,11 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
     latency model and calibration) and keeps its LengthPolicy in `learned`; later runs continue with it."""
     if policy == "ar":
         runner.drafter = None
-        freeze_heap()  # every measured run starts as a started engine serves: its heap frozen (engine/executor.py)
+        measured_start(args)  # every measured run starts as a started engine serves (engine/executor.py)
         return serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
     if policy == "ar-drafter":  # ar with the replay drafter attached (never asked: no drafts, no draft pages)
         runner.drafter = replay
-        freeze_heap()
+        measured_start(args)
         res = serve(runner, prompts, max_new, 0, page_size, num_pages, "ar")
         res.policy = policy
         return res
@@ -271,7 +282,7 @@ def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts:
         # warm-up: captures this policy's graph buckets, refines its latency model and calibration
         serve(runner, prompts, args.warm_new, k, page_size, num_pages, policy, keep_policy=True)
         learned[policy] = runner.policy
-    freeze_heap()
+    measured_start(args)
     res = serve(runner, prompts, max_new, k, page_size, num_pages, policy, keep_policy=True)
     res.policy = policy
     return res
@@ -439,6 +450,9 @@ def main() -> None:
                          "its runs; runs_decode_tokens_per_s lists each)")
     ap.add_argument("--profile", type=int, default=1,
                     help="run the start-up profile before budget/hybridspec (1, as the engine does on CUDA) or not (0)")
+    ap.add_argument("--freeze-heap", type=int, default=1, choices=(0, 1),
+                    help="freeze the heap out of Python's cyclic GC before every measured run (1, as a started engine "
+                         "on CUDA does: EngineConfig.freeze_heap) or not (0: its A/B)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -483,7 +497,7 @@ def main() -> None:
     rows, meta = [], {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                       "dtype": str(dtype), "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len,
                       "max_new": max_new_of, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
-                      "startup_profile": bool(args.profile), "replay_confidence": args.replay_confidence,
+                      "startup_profile": bool(args.profile), "freeze_heap": bool(args.freeze_heap), "replay_confidence": args.replay_confidence,
                       "replay_concentration": args.replay_concentration, "replay_draws": draws,
                       "drafter": "replay (DFlash-shaped cost: "
                       f"{args.drafter_layers} layers at hidden {cfg.hidden_size}, one forward of the drafted block)"}

@@ -213,8 +213,11 @@ def test_e2e_tiny_plain_path_variants(tmp_path):
     drafts, no draft pages) and hybridspec-plain (the gate decodes every step plainly); both lossless, their rows
     carry their speedup over the cell's ar, hybridspec-plain its (zero) speculative share."""
     run_script("e2e.py", "--concurrency", "2", "--acceptance", "0.5", "--policies", "ar-drafter,hybridspec-plain",
-               "--prompt-len", "16", "--max-new", "12", "--cell-tokens", "12", "--warm-new", "4", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+               "--prompt-len", "16", "--max-new", "12", "--cell-tokens", "12", "--warm-new", "4", "--freeze-heap", "0",
+               "--out", str(tmp_path))
+    result = json.loads((tmp_path / "e2e.json").read_text())
+    rows = result["rows"]
+    assert result["meta"]["freeze_heap"] is False  # (the A/B switch; the default is the engine's frozen heap)
     for policy in ("ar-drafter", "hybridspec-plain"):
         row = next(r for r in rows if r["policy"] == policy)
         assert row["greedy_match"] == 1.0 and row["draft_tokens"] == 0 and row["drafted_width_steps"] == {}
@@ -222,6 +225,24 @@ def test_e2e_tiny_plain_path_variants(tmp_path):
     plain = next(r for r in rows if r["policy"] == "hybridspec-plain")
     assert plain["speculative_step_share"] == 0.0 and "latency_model_error_pct" in plain
     assert "latency_model_error_pct" not in next(r for r in rows if r["policy"] == "ar-drafter")
+
+
+def test_e2e_measured_runs_start_from_a_frozen_heap_or_a_collected_one():
+    """bench/e2e.py's measured_start: --freeze-heap 1 freezes the heap as a started engine on CUDA does (the
+    default), 0 collects and leaves it in the collector's generations."""
+    import argparse
+    import gc
+
+    sys.path.insert(0, str(ROOT))
+    from bench.e2e import measured_start
+
+    try:
+        measured_start(argparse.Namespace(freeze_heap=1))
+        assert gc.get_freeze_count() > 0
+        measured_start(argparse.Namespace(freeze_heap=0))
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_moe_tiles_tiny_checks_every_candidate_against_the_reference(tmp_path):
