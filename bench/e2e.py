@@ -247,11 +247,9 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
 def measured_start(args) -> None:
     """Before a measured run: the heap frozen out of the cyclic GC as a started engine's (--freeze-heap 1), else
     one full collection (the same start, the heap left in the collector's generations)."""
-    if getattr(args, "freeze_heap", 1):
-        freeze_heap()
-    else:
-        gc.unfreeze()
-        gc.collect()
+    freeze_heap()
+    if not args.freeze_heap:
+        gc.unfreeze()  # (collected as frozen, then back in the collector's oldest generation)
 
 
 def run_policy(runner: ModelRunner, policy: str, replay: ReplayDrafter, prompts: list[list[int]], conc: int,

@@ -998,6 +998,13 @@ def test_gate_thins_a_bucket_whose_plain_side_speculation_leaves_unexplored(monk
     assert not gate.should_draft(1, lambda: hint["plain"], sampled=True)
     gate.observe(1, False, 1.0, 0.5)
     assert all(gate.wants_sample(1) for _ in range(8))  # until plain has its MIN_SAMPLES
+    forced = SpeculationGate()  # the force_plain ablation after a thinned stretch: every plain step timed
+    for _ in range(3):
+        forced.observe(1, True, 5.0, 5.0)
+    forced.should_draft(1, 0.5)
+    assert forced.plain_unexplored[1] and sum(forced.wants_sample(1) for _ in range(8)) == 2
+    forced.force_plain = True
+    assert not forced.should_draft(1, 0.5) and all(forced.wants_sample(1) for _ in range(8))
     monkeypatch.setattr(SpeculationGate, "SAMPLE_EVERY", 1)
     other = SpeculationGate()
     for _ in range(3):

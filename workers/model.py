@@ -46,19 +46,21 @@ class MoEContext:
     counts_out: Tensor | None = None
     _rows_out: int = 0  # layers whose statistics went into the static outputs
 
+    def _all_static(self, out: Tensor | None, recorded: list[Tensor]) -> bool:
+        """Whether every recorded layer's statistic is its row of the static output `out` (and every row is one)."""
+        return out is not None and self._rows_out == len(recorded) == len(out)
+
     def stacked_distinct(self) -> Tensor:
         """[MoE layers] the distinct experts per layer, as one tensor (the static output itself where every layer
         wrote into it: valid until the next forward writes it again)."""
-        if self.distinct_out is not None and self._rows_out == len(self.distinct_experts) == len(self.distinct_out):
+        if self._all_static(self.distinct_out, self.distinct_experts):
             return self.distinct_out
         return torch.stack(self.distinct_experts)
 
     def counts_view(self) -> "Tensor | list[Tensor]":
         """The per-expert counts per layer: the static [MoE layers, E] output where every layer wrote into it,
         else the list (LengthPolicy.keep_counts copies either)."""
-        if self.counts_out is not None and self._rows_out == len(self.expert_counts) == len(self.counts_out):
-            return self.counts_out
-        return self.expert_counts
+        return self.counts_out if self._all_static(self.counts_out, self.expert_counts) else self.expert_counts
 
     def mask_for(self, ids: Tensor, num_experts: int, stats: bool = True) -> Tensor | None:
         """One MoE layer's routing (ids [N, k]) -> the token mask its experts run with, recording what the

@@ -230,18 +230,14 @@ class SpeculationGate:
         if b in self.inherited or own.get((b, True), 0) < least:
             return True
         if own.get((b, False), 0) < least:
-            if self.force_plain:  # (the ablation: every step plain, so every one of them timed until measured)
-                return True
-            # plain decoding unexplored while speculation leads the optimistic hint (c=1 at high acceptance):
-            # nothing to probe, the speculative rate is refreshed every SAMPLE_EVERY-th step (every drafted step
-            # was timed there: two CUDA events and the cycle's read, ~0.12 ms of a 7.4 ms step on the H200 host)
+            # plain decoding unmeasured: timed, but where its last verdict left plain unexplored (speculation
+            # ahead of the optimistic hint, c=1 at high acceptance) nothing is to be probed, and the speculative
+            # rate is refreshed every SAMPLE_EVERY-th step (every drafted step was timed there: two CUDA events and
+            # the cycle's read, ~0.12 ms of a 7.4 ms step on the H200 host)
             if not (self.plain_unexplored.get(b) and self.samples.get((b, False), 0) < least):
                 return True
-            self.ticks[b] = self.ticks.get(b, 0) + 1
-            return self.ticks[b] % self.SAMPLE_EVERY == 0
-        spec, plain = self.rate[(b, True)], self.rate[(b, False)]
-        if self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, False):  # (without the hint: sooner)
-            return True
+        elif self.asked.get(b, 0) + 1 >= self.probe_spacing(b, self.rate[(b, True)], self.rate[(b, False)], False):
+            return True  # a probe is due (without the hint: sooner)
         self.ticks[b] = self.ticks.get(b, 0) + 1
         return self.ticks[b] % self.SAMPLE_EVERY == 0
 
@@ -278,7 +274,8 @@ class SpeculationGate:
         """(draft, measured: both sides measured, probe: this step probes the losing side) for the next step of
         bucket b. `plain_hint` may be a function: it is called only where the verdict needs it (not while plain
         decoding wins a measured bucket: most plain steps skip the latency model's prediction)."""
-        if self.force_plain:
+        if self.force_plain:  # (every verdict plain: nothing is left unexplored, plain steps are timed)
+            self.plain_unexplored[b] = False
             return False, False, False
         spec_n, plain_n = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
 
