@@ -1,16 +1,25 @@
-"""GDN verification (T <= 17 tokens a request, no state write) in one launch against the two-phase kernel, on the H200:
-    PYTHONPATH=. python bench/gdn_verify2.py          (writes $OUT/gdn_verify2.json, prints a table)
+"""GDN verification (T <= 17 tokens a request, no state write) on the H200: the one-launch block kernel and the
+sequential kernel (kernels/gdn_triton.py) against the factored kernel (kernels/gdn_verify_triton.py: o = q' S_0 + y,
+one state product, two launches):
+    PYTHONPATH=. python bench/gdn_verify2.py [--out DIR] [--tiny]   (writes DIR/gdn_verify2.json, DIR defaults to
+                                                                     $OUT; prints a table last)
 
-The one-launch block kernel (kernels/gdn_triton.py, `_gdn_fwd_kernel`) recomputes each request's S-independent
-[T, T] work (k k^T, the UT system's inverse, the masked q k^T) in every value tile's program; the two-phase kernel
-(kernels/gdn_chunk_triton.py) computes it once per (request, head) and then runs the state products per value tile,
-at the price of a second launch and a round trip through fp32 scratch. Issue 6's target: B=32, T=16 <= 60 us
-(the block kernel: 83 us, bench/NOTES_gdn.md). Same shapes, data, rotation of state slots and CUDA-graph timing as
-bench/kernels_gdn.py; every variant is checked in bf16 against gdn_recurrent_ref first.
+1. bf16 checks of every variant on a ragged batch (T_i in 0..17, permuted slots) against gdn_recurrent_ref; the
+   state pool must stay untouched.
+2. The factored kernel's variants (phase 2's value tile, its layout, warps of each phase, phase 1's precision) at
+   SWEEP_POINTS; the one with the least summed time is the `factored` column below.
+3. block / seq / factored at every (B, T) of POINTS (all B requests verify T tokens), against floor_r (the fp32
+   states read once plus q/k/v/g/beta/o at 4.3 TB/s). `old auto` is what _auto_impl picked before the factored
+   kernel (block or seq, by its table).
+
+Issue 6's target: B=32, T=16 <= 60 us (block kernel 83 us, bench/NOTES_gdn.md). Same shapes, data, rotation of
+state slots and CUDA-graph timing as bench/kernels_gdn.py. --quick: a CPU-sized smoke run (tiny shapes, the
+Triton interpreter where no GPU is present; checks only, no timing).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -22,51 +31,121 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench.kernels_gdn as kg  # noqa: E402
-from kernels import gdn_triton as gt  # noqa: E402
-from kernels.gdn import gdn_recurrent_ref  # noqa: E402
-from kernels.gdn_chunk_triton import gdn_chunk2_triton  # noqa: E402
-
-POINTS = [(8, 16), (32, 8), (32, 16), (32, 17), (64, 16)]
-VARIANTS = {
-    "block bv64": lambda a, t: gt.gdn_triton(*a, t, write_state=False, impl="block", bv=64, num_warps=4),
-    "auto": lambda a, t: gt.gdn_triton(*a, t, write_state=False),
-    "2p bt16 bv32": lambda a, t: gdn_chunk2_triton(*a, t, write_state=False, bt=16, bv=32),
-    "2p bt16 bv64": lambda a, t: gdn_chunk2_triton(*a, t, write_state=False, bt=16, bv=64),
-    "2p bt32 bv32": lambda a, t: gdn_chunk2_triton(*a, t, write_state=False, bt=32, bv=32),
-    "2p bt32 bv64": lambda a, t: gdn_chunk2_triton(*a, t, write_state=False, bt=32, bv=64),
+POINTS = [(b, t) for b in (1, 4, 8, 16, 32, 64) for t in (4, 8, 16, 17)]
+SWEEP_POINTS = [(1, 16), (8, 17), (32, 16), (64, 8)]
+FACTORED = {
+    "f bv64 T": dict(bv=64, trans=True),
+    "f bv32 T": dict(bv=32, trans=True),
+    "f bv128 T": dict(bv=128, trans=True),
+    "f bv64 N": dict(bv=64, trans=False),
+    "f bv32 N": dict(bv=32, trans=False),
+    "f bv128 N": dict(bv=128, trans=False),
+    "f bv64 T p1": dict(bv=64, trans=True, prep_warps=1),
+    "f bv64 T p2": dict(bv=64, trans=True, prep_warps=2),
+    "f bv64 T p8": dict(bv=64, trans=True, prep_warps=8),
+    "f bv64 T tf32": dict(bv=64, trans=True, precision="tf32"),
 }
 
 
+def _variants(gt, fv):
+    block = {"block": lambda a, t: gt.gdn_triton(*a, t, write_state=False, impl="block"),
+             "seq": lambda a, t: gt.gdn_triton(*a, t, write_state=False, impl="seq")}
+    fact = {name: (lambda kw: (lambda a, t: fv.gdn_verify_factored_triton(*a, t, **kw)))(kw)
+            for name, kw in FACTORED.items()}
+    return block, fact
+
+
+def _old_auto(bsz: int, t: int) -> str:
+    if bsz == 1:
+        return "block" if t > 4 else "seq"
+    return "block" if 9 <= t <= 16 else "seq"
+
+
 def main() -> None:
-    out = Path(os.environ.get("OUT", "bench_out"))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, checks only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    if args.tiny and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import bench.kernels_gdn as kg  # noqa: E402  (after TRITON_INTERPRET)
+    from kernels import gdn_triton as gt  # noqa: E402
+    from kernels import gdn_verify_triton as fv  # noqa: E402
+    from kernels.gdn import gdn_recurrent_ref  # noqa: E402
+
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"commit": os.environ.get("HYBRIDSPEC_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
-           "rows": [], "errors": []}
+    res = {"commit": os.environ.get("HYBRIDSPEC_COMMIT", "unknown"),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "checks": {}, "sweep": {}, "rows": [], "errors": []}
+    block, fact = _variants(gt, fv)
+    everything = {**block, **fact}
     t0 = time.time()
-    for bsz, t in POINTS:
+
+    # 1. checks: a ragged batch with an idle request, permuted slots
+    lens = [1, 5, 17, 16, 3, 0, 9, 12, 2] if not args.tiny else [1, 5, 0, 17]
+    if args.tiny:  # tiny shapes (make_block / make_pool read these module globals at each call)
+        kg.HK, kg.HV, kg.DK, kg.DV = 2, 4, 16, 32
+        kg.CONV_DIM = 2 * kg.HK * kg.DK + kg.HV * kg.DV
+        kg.DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, g, beta, cu = kg.make_block(lens, 7)
+    pool = kg.make_pool(40, 8)
+    perm = torch.randperm(40, device=pool.device)[:len(lens)]
+    o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, pool.clone(), perm, 17, write_state=False)
+    for name, fn in everything.items():
+        try:
+            p = pool.clone()
+            o = fn((q, k, v, g, beta, cu, p, perm), 17)
+            res["checks"][name] = {"o_err": kg.rel(o, o_ref), "state_untouched": bool(torch.equal(p, pool))}
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+            res["errors"].append(f"check {name}: {exc!r}"[:400])
+    print(f"[{time.time() - t0:6.1f}s] checks: " + ", ".join(
+        f"{n} {c['o_err']:.1e}{'' if c['state_untouched'] else ' STATE WRITTEN'}" for n, c in res["checks"].items()),
+        flush=True)
+    if args.tiny:
+        (out / "gdn_verify2.json").write_text(json.dumps(res, indent=1))
+        return
+
+    def timed(bsz, t, names):
         R, pool, slot_sets, blk = kg.setup(bsz, t)
-        q, k, v, g, beta, cu = blk
-        sl = slot_sets[0]
-        o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, pool.clone(), sl, t, write_state=False)
-        row = {"B": bsz, "T": t, **kg.floors_us(bsz * t, bsz)}
-        for name, fn in VARIANTS.items():
+        row = {}
+        for name in names:
+            fn = everything[name]
             try:
-                p = pool.clone()
-                o = fn((q, k, v, g, beta, cu, p, sl), t)
-                err = kg.rel(o, o_ref)
-                untouched = torch.equal(p, pool)
-                us = kg.graph_us(lambda r: (lambda: fn((q, k, v, g, beta, cu, pool, slot_sets[r]), t)), R)
-                row[name] = {"us": us, "o_err": err, "state_untouched": untouched}
-            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+                us = kg.graph_us(lambda r: (lambda: fn((*blk, pool, slot_sets[r]), t)), R)
+                row[name] = us
+            except Exception as exc:  # noqa: BLE001
                 res["errors"].append(f"B={bsz} T={t} {name}: {exc!r}"[:400])
+        del pool
+        return row
+
+    # 2. the factored kernel's variants
+    for bsz, t in SWEEP_POINTS:
+        res["sweep"][f"{bsz}x{t}"] = row = timed(bsz, t, list(fact))
+        print(f"[{time.time() - t0:6.1f}s] sweep B={bsz} T={t}: " + ", ".join(f"{n} {u:.1f}" for n, u in row.items()),
+              flush=True)
+    ok = [n for n in fact if n in res["checks"] and res["checks"][n]["o_err"] < 1e-2
+          and res["checks"][n]["state_untouched"] and all(n in r for r in res["sweep"].values())]
+    best = min(ok, key=lambda n: sum(r[n] for r in res["sweep"].values())) if ok else None
+    res["best_factored"] = best
+
+    # 3. the table
+    names = ["block", "seq"] + ([best] if best else [])
+    for bsz, t in POINTS:
+        row = {"B": bsz, "T": t, **kg.floors_us(bsz * t, bsz), **timed(bsz, t, names)}
+        row["old_auto"] = _old_auto(bsz, t)
         res["rows"].append(row)
-        print(f"[{time.time() - t0:6.1f}s] B={bsz} T={t} floor_r {row['floor_r_us']:.1f} us: " + ", ".join(
-            f"{n} {v['us']:.1f} (err {v['o_err']:.1e}{'' if v['state_untouched'] else ', STATE WRITTEN'})"
-            for n, v in row.items() if isinstance(v, dict)), flush=True)
     (out / "gdn_verify2.json").write_text(json.dumps(res, indent=1))
     for e in res["errors"]:
         print("error:", e)
+    print(f"best factored variant: {best} ({FACTORED.get(best)})")
+    print("| B | T | floor_r | block | seq | old auto | factored | factored / old auto |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        old = r.get(r["old_auto"], float("nan"))
+        f = r.get(best, float("nan")) if best else float("nan")
+        print(f"| {r['B']} | {r['T']} | {r['floor_r_us']:.1f} | {r.get('block', float('nan')):.1f} | "
+              f"{r.get('seq', float('nan')):.1f} | {r['old_auto']} {old:.1f} | {f:.1f} | {f / old:.2f} |")
 
 
 if __name__ == "__main__":

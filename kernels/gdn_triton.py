@@ -28,6 +28,9 @@ about one bf16 rounding). The `trans=False` layout ([BK, BV] tiles, run 1) is ke
 Sequential kernel `_gdn_seq_kernel`: the fused-recurrent form, one token at a time with the [BK, BV=16] tile in
 one warp's registers, fp32 FMA. Faster than the block kernel for decode, short blocks, T = 17 and every call that
 writes the state (run 3).
+
+Verification without a state write can also take the factored kernel of kernels/gdn_verify_triton.py (impl
+"factored": o = q' S_0 + y, the state in one product; two launches).
 """
 
 from __future__ import annotations
@@ -427,6 +430,18 @@ def _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, *, scale, use_qk_l2no
     )
 
 
+VERIFY_IMPLS = ("auto", "block", "seq", "factored")
+
+
+def _verify_override() -> str:
+    """HYBRIDSPEC_GDN_VERIFY (read at each call, for A/B runs): "auto" (the default: _auto_impl's table) or one
+    kernel for every verification without a state write ("block", "seq", "factored")."""
+    impl = os.environ.get("HYBRIDSPEC_GDN_VERIFY", "auto")
+    if impl not in VERIFY_IMPLS:
+        raise ValueError(f"HYBRIDSPEC_GDN_VERIFY must be one of {VERIFY_IMPLS}, got {impl!r}")
+    return impl
+
+
 def _auto_impl(bsz: int, max_len: int, write_state) -> str:
     """Block (WY) or sequential kernel, from run 3's table (bench/NOTES_gdn.md): the block kernel wins for
     verification without state write at one request with T > 4 and at T = 9..16 for B = 8, 32; the sequential
@@ -435,6 +450,9 @@ def _auto_impl(bsz: int, max_len: int, write_state) -> str:
         return "block"  # prefill in blocks of CHUNK_BT (reached with HYBRIDSPEC_GDN_PREFILL=block or a large DK)
     if write_state is not False:
         return "seq"
+    override = _verify_override()
+    if override != "auto":
+        return override
     if bsz == 1:
         return "block" if max_len > 4 else "seq"
     return "block" if 9 <= max_len <= 16 else "seq"
@@ -454,6 +472,7 @@ def _prefill_impl(dim_k: int | None = None) -> str:
 
 
 _prefill_impl()  # a bad HYBRIDSPEC_GDN_PREFILL fails at import, not in the first prefill
+_verify_override()  # the same for HYBRIDSPEC_GDN_VERIFY
 
 
 def _block_tokens(max_len: int) -> int:
@@ -474,7 +493,8 @@ def gdn_triton(
     use_qk_l2norm: bool = True,
     write_state: bool | Tensor = True,
     *,
-    impl: str = "auto",  # "block" (WY form), "seq" (one token at a time), "two_phase" (prefill, kernels/
+    impl: str = "auto",  # "block" (WY form), "seq" (one token at a time), "factored" (verification without a
+    # state write in two launches, kernels/gdn_verify_triton.py), "two_phase" (prefill, kernels/
     # gdn_chunk_triton.py) or "auto" (_auto_impl, measured; prefill: PREFILL_IMPL / HYBRIDSPEC_GDN_PREFILL)
     bt: int | None = None,
     bv: int | None = None,
@@ -499,6 +519,12 @@ def gdn_triton(
     bsz = slots.shape[0]
     if impl == "auto":
         impl = _auto_impl(bsz, max_len, write_state)
+    if impl == "factored":
+        from kernels.gdn_verify_triton import gdn_verify_factored_triton
+        opts = dict(bv=bv, num_warps=num_warps, precision=precision, precision_out=precision_out, trans=trans)
+        return gdn_verify_factored_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale,
+                                          use_qk_l2norm, write_state,
+                                          **{key: val for key, val in opts.items() if val is not None})
     if impl == "seq":
         heads_k, dim_k = k.shape[1], k.shape[2]
         heads_v, dim_v = v.shape[1], v.shape[2]

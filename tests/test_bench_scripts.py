@@ -3,7 +3,8 @@ time): bench/host_profile.py (host time of a step's parts per policy), bench/ste
 time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the
 MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
 profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route, MoE tail and
-norm kernels' warps) and bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute)."""
+norm kernels' warps), bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute) and
+bench/gdn_verify2.py (every GDN verification variant's check against the reference)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,15 @@ def test_small_kernels_tiny_checks_every_warp_count(tmp_path):
         *(("route", w) for w in (1, 2, 4, 8)),
         *((k, w) for k in ("moe_tail", "add_rmsnorm", "rmsnorm_head") for w in (1, 2, 4, 8, 16))}
     assert all(r["equal"] for r in report["rows"])
+
+
+def test_gdn_verify2_tiny_checks_every_variant(tmp_path):
+    run_script("gdn_verify2.py", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "gdn_verify2.json").read_text())
+    from bench.gdn_verify2 import FACTORED
+    assert report["errors"] == [] and set(report["checks"]) == {"block", "seq", *FACTORED}
+    for name, check in report["checks"].items():  # bf16 inputs and outputs: one rounding of o
+        assert check["o_err"] < 1e-2 and check["state_untouched"], name
 
 
 def test_verify_overhead_tiny_times_both_graph_sets(tmp_path):

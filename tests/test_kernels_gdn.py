@@ -86,6 +86,51 @@ def case_verify_options():
     return errs
 
 
+def case_verify_factored():
+    """The factored verification kernel (kernels/gdn_verify_triton.py: o = q' S_0 + y in two launches): ragged
+    blocks (T = 1..17 and the 32-token block), an idle request between two others, scale without l2norm, both
+    layouts of phase 2 and several value tiles; the pool stays untouched (every slot, the others too). It refuses
+    a state write and blocks over 32 tokens, naming the argument; gdn_triton reaches it through impl="factored" and
+    through HYBRIDSPEC_GDN_VERIFY=factored."""
+    from kernels.gdn import gdn_recurrent_ref
+    from kernels.gdn_triton import _auto_impl, gdn_triton
+    from kernels.gdn_verify_triton import gdn_verify_factored_triton
+
+    errs = {}
+    for name, lens, kw in (("ragged", [1, 3, 17], {}), ("idle", [3, 0, 16], {}), ("block32", [32, 20, 17], {}),
+                           ("noscale_nonorm", [2, 5, 9], dict(scale=0.3, use_qk_l2norm=False))):
+        for trans, bv in ((True, 16), (False, 16), (True, 32)):
+            q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=12)
+            s_tri = state.clone()
+            o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, state.clone(), slots, max(lens), write_state=False,
+                                      **kw)
+            o_tri = gdn_verify_factored_triton(q, k, v, g, beta, cu, s_tri, slots, max(lens), trans=trans, bv=bv,
+                                               **kw)
+            errs[f"{name}/trans{int(trans)}/bv{bv}/o"] = _rel(o_tri, o_ref)
+            errs[f"{name}/trans{int(trans)}/bv{bv}/pool_untouched"] = float(not torch.equal(s_tri, state))
+    q, k, v, g, beta, cu, state, slots = _gdn_inputs([1, 3, 17], seed=13)
+    o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False)
+    errs["via_gdn_triton/o"] = _rel(gdn_triton(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False,
+                                               impl="factored"), o_ref)
+    os.environ["HYBRIDSPEC_GDN_VERIFY"] = "factored"
+    try:
+        errs["via_env/o"] = _rel(gdn_triton(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False),
+                                 o_ref)
+        # the override covers verification without a write only: a state-writing call keeps the sequential kernel
+        errs["env_keeps_writes_seq"] = float(_auto_impl(3, 17, True) != "seq")
+    finally:
+        del os.environ["HYBRIDSPEC_GDN_VERIFY"]
+    for bad, kw in (("write_state", dict(write_state=True)), ("max_len", dict(max_len=33))):
+        try:
+            args = {**dict(max_len=17, write_state=False), **kw}
+            gdn_verify_factored_triton(q, k, v, g, beta, cu, state.clone(), slots, args["max_len"],
+                                       write_state=args["write_state"])
+            errs[f"refuses_{bad}"] = 1.0
+        except ValueError as exc:
+            errs[f"refuses_{bad}"] = float(bad not in str(exc))
+    return errs
+
+
 def case_commit():
     from kernels.gdn import gdn_commit_ref
     from kernels.gdn_triton import gdn_commit_triton
@@ -233,6 +278,7 @@ CASES = {
     "verify_block": lambda: case_verify("block"),
     "verify_seq": lambda: case_verify("seq"),
     "verify_options": case_verify_options,
+    "verify_factored": case_verify_factored,
     "commit": case_commit,
     "commit_verify_fused": case_commit_verify,
     "chunk_prefill": case_chunk,

@@ -1,0 +1,215 @@
+"""GDN verification as one state product (Triton): `gdn_verify_factored_triton` ~ kernels.gdn.gdn_recurrent_ref
+with write_state=False (verification: the outputs of T_i <= 32 tokens a request from S_0, the state untouched).
+
+For one request's block (value head h; q, k L2-normalised, q scaled; S = S_0 [DK, DV] fp32) the block (WY) form
+of kernels/gdn_triton.py is
+    gc = cumsum(g),  D_ij = exp(gc_i - gc_j) (j <= i),  A = strictly_lower(beta_i k_i.k_j D_ij)
+    v_new = U - W S,  U = (I + A)^-1 diag(beta) v,  W = (I + A)^-1 diag(beta e^gc) k
+    o = diag(e^gc) q S + P v_new,  P = lower_incl(q k^T * D)
+Multiplying out with M = P (I + A)^-1 [T, T]:
+    o = q' S + y,   q' = diag(e^gc) q - M diag(beta e^gc) k   [T, DK],   y = M diag(beta) v   [T, DV]
+so the state enters in ONE product, and everything else depends only on the block's inputs. Two launches:
+
+Phase 1 `_verify_prep_kernel`, one program per (request, value head): loads q, k [BT, DK] of the key head and v
+[BT, DV], g, beta of the value head; norms, k k^T, q k^T, the [BT, BT] forward substitution for (I + A)^-1, M,
+q' and y; stores q' [N, HV, BK] and y [N, HV, DV] to fp32 scratch (rows of the request's tokens only). Nothing of
+the state is read. Its dots run in `precision` (DOT_PRECISION, tf32x3: q' and y carry the cancellation between
+q S and P W S that the one-launch kernel has inside v_new).
+
+Phase 2 `_verify_out_kernel`, one program per (request, value head, BV value columns): the state tile through the
+TMA engine (as kernels/gdn_triton.py), then o^T = S^T q'^T + y^T [BV, BT] (TRANS: the state tile is the M = BV side,
+a wgmma on Hopper) in `precision_out` (DOT_PRECISION_OUT, tf32, as the one-launch kernel's output-only dots). With
+programmatic dependent launch the state tile is read BEFORE the prologue: the kernel launched just before phase 2
+is always its own phase 1, which writes no state, and phase 1's programs let phase 2 launch only after their own
+wait for the kernel before them (kernels/pdl.py), so every write of the state that precedes this call is complete.
+The read of the state, the largest by far (64 KB a request and head), thus overlaps phase 1's tail.
+
+What it replaces (kernels/gdn_triton.py): the one-launch block kernel redoes the [T, T] work (k k^T, the
+substitution) in every value tile's program and runs two state products (W S and q S) in a dependent chain
+behind it, which keeps each program ~15 us on the H200 at T = 16 (4.5x the state-read floor at B = 32); the
+sequential kernel walks T tokens one by one. Here the per-(request, head) work runs once in small programs and the
+state pass is one product per tile. The two-phase prefill kernel (kernels/gdn_chunk_triton.py) tried as a
+verification kernel kept both state products in its phase 2 (bench/NOTES.md, 2026-12-01 item 6).
+
+Inputs are upcast to fp32 right after their loads (the Triton interpreter computes bf16 arithmetic wrongly).
+Nothing synchronizes with the host: grids come from B and the shapes; lengths from cu_seqlens on the device. A
+request of 0 tokens (a graph bucket's idle padding request) reads and writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _load_state, _rowmajor
+from kernels.pdl import pdl_args, pdl_prologue
+
+# Defaults (bench/gdn_verify2.py on the H200; bench/NOTES.md records the sweep)
+FACTORED_BV = 64  # phase 2 value tile
+FACTORED_WARPS = 4  # phase 2
+FACTORED_PREP_WARPS = 4  # phase 1
+FACTORED_TRANS = True  # phase 2 multiplies S^T [BV, DK] by q'^T (M = BV); False: q' [BT, DK] by S (M = BT)
+
+
+@triton.jit
+def _verify_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, qp_ptr, y_ptr, scale,
+    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
+    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+    L2NORM: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+):
+    """q' [BT, BK] and y [BT, BDV] of request b, value head hv, into the scratch rows of its tokens (module
+    docstring); scratch layouts [N, HV, BK] and [N, HV, BDV], contiguous."""
+    pdl_prologue(PDL)
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    n = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    if n > 0:
+        t = tl.arange(0, BT)  # [BT]
+        tm = t < n
+        rows = bos + t  # [BT] int64
+        dk = tl.arange(0, BK)  # [BK]
+        dv = tl.arange(0, BDV)  # [BDV]
+        km = tm[:, None] & (dk < DK)[None, :]  # [BT, BK]
+        vm = tm[:, None] & (dv < DV)[None, :]  # [BT, BDV]
+        k = tl.load(k_ptr + rows[:, None] * s_kn + hk * s_kh + dk[None, :], mask=km, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + rows[:, None] * s_qn + hk * s_qh + dk[None, :], mask=km, other=0.0).to(tl.float32)
+        if L2NORM:
+            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]  # [BT, BK]
+            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+        q = q * scale
+        g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT] (padding: 0)
+        beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
+        gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay
+        eg = tl.exp(gc)  # [BT]
+        ti = t[:, None]
+        tj = t[None, :]
+        lower_eq = tj <= ti  # [BT, BT]
+        decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
+        kk = tl.dot(k, tl.trans(k), input_precision=PREC)  # [BT, BT]
+        # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
+        y_inv = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
+        for i in range(2, n):
+            a = tl.sum(tl.where(ti == i, y_inv, 0.0), axis=0)  # [BT] row i of -A
+            a = a + tl.sum(a[:, None] * y_inv, axis=0)
+            y_inv = tl.where(ti == i, a[None, :], y_inv)
+        inv = y_inv + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
+        p = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision=PREC) * decay, 0.0)  # [BT, BT] P
+        m = tl.dot(p, inv, input_precision=PREC)  # [BT, BT] M = P (I + A)^-1
+        qp = q * eg[:, None] - tl.dot(m, k * (beta * eg)[:, None], input_precision=PREC)  # [BT, BK] q'
+        v = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dv[None, :], mask=vm, other=0.0).to(tl.float32)
+        yv = tl.dot(m, v * beta[:, None], input_precision=PREC)  # [BT, BDV] y
+        tl.store(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], qp, mask=tm[:, None])
+        tl.store(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], yv, mask=tm[:, None])
+
+
+@triton.jit
+def _verify_out_kernel(
+    qp_ptr, y_ptr, o_ptr, cu_ptr, state_desc, slots_ptr, s_on, s_oh,
+    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, TRANS: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+):
+    """o = q' S_0 + y for request b, value head hv, value columns v0 .. v0+BV; the state tile is read before the
+    PDL prologue (module docstring: the kernel before is phase 1, which writes no state)."""
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    n = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    if n > 0:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        s_row = ((slot * HV + hv) * DK).to(tl.int32)  # row of this tile in the pool viewed as [S*HV*DK, DV]
+        S = _load_state(state_desc, s_row, v0, TRANS)  # [BK, BV] (TRANS: S^T [BV, BK])
+        pdl_prologue(PDL)  # q' and y come from phase 1
+        t = tl.arange(0, BT)  # [BT]
+        tm = t < n
+        rows = bos + t  # [BT] int64
+        dk = tl.arange(0, BK)  # [BK]
+        dv = v0 + tl.arange(0, BV)  # [BV]
+        if TRANS:
+            qpt = tl.load(qp_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)
+            yt = tl.load(y_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)
+            ot = tl.dot(S, qpt, input_precision=PREC) + yt  # [BV, BT] o^T
+            tl.store(o_ptr + rows[None, :] * s_on + hv * s_oh + dv[:, None], ot.to(o_ptr.dtype.element_ty),
+                     mask=tm[None, :] & (dv < DV)[:, None])
+        else:
+            qp = tl.load(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)
+            yv = tl.load(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)
+            o = tl.dot(qp, S, input_precision=PREC) + yv  # [BT, BV]
+            tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=tm[:, None] & (dv < DV)[None, :])
+    else:  # a request of no tokens: its programs pass the prologue too (kernels/pdl.py's ordering)
+        pdl_prologue(PDL)
+
+
+def gdn_verify_factored_triton(
+    q: Tensor,  # [N, HK, DK]
+    k: Tensor,  # [N, HK, DK]
+    v: Tensor,  # [N, HV, DV]
+    g: Tensor,  # [N, HV] log decay (<= 0)
+    beta: Tensor,  # [N, HV]
+    cu_seqlens: Tensor,  # [B+1] int32
+    state: Tensor,  # [S, HV, DK, DV] fp32 pool (read only)
+    slots: Tensor,  # [B] int64
+    max_len: int,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    write_state: bool | Tensor = False,
+    *,
+    bv: int | None = None,
+    num_warps: int | None = None,
+    prep_warps: int | None = None,
+    precision: str | None = None,
+    precision_out: str | None = None,
+    trans: bool | None = None,
+) -> Tensor:
+    """gdn_recurrent_ref without a state write, in two launches (module docstring): o [N, HV, DV] in v's dtype.
+    Every block is at most 32 tokens. The keyword-only arguments are tile sizes / launch options for measurement."""
+    if write_state is not False:
+        raise ValueError("gdn_verify_factored_triton verifies only: write_state must be False (commit with "
+                         "gdn_commit_triton)")
+    if not 0 <= max_len <= 32:
+        raise ValueError(f"max_len must be between 0 and 32 (one block a request), got {max_len}")
+    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
+    n_tok, heads_k, dim_k = k.shape
+    heads_v, dim_v = v.shape[1], v.shape[2]
+    assert heads_v % heads_k == 0 and state.shape[1:] == (heads_v, dim_k, dim_v) and state.dtype == torch.float32
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [N, HV, DV]
+    bsz = slots.shape[0]
+    if bsz == 0 or n_tok == 0 or max_len == 0:
+        return o
+    bt = 16 if max_len <= 16 else 32
+    bk = max(16, triton.next_power_of_2(dim_k))
+    bdv = max(16, triton.next_power_of_2(dim_v))
+    bv = min(bv or FACTORED_BV, bdv)
+    assert state.is_contiguous() and dim_k == bk and dim_v % bv == 0, "DK a power of two >= 16, BV dividing DV"
+    trans = FACTORED_TRANS if trans is None else trans
+    dev = v.device
+    qp = torch.empty(n_tok, heads_v, bk, dtype=torch.float32, device=dev)  # [N, HV, BK] q'
+    y = torch.empty(n_tok, heads_v, bdv, dtype=torch.float32, device=dev)  # [N, HV, BDV] y
+    _verify_prep_kernel[(bsz, heads_v)](
+        q, k, v, g, beta, cu_seqlens, qp, y, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1),
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, L2NORM=use_qk_l2norm,
+        PREC=precision or DOT_PRECISION, num_warps=prep_warps or FACTORED_PREP_WARPS,
+        **pdl_args(dev),
+    )
+    desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
+    _verify_out_kernel[(bsz, heads_v, dim_v // bv)](
+        qp, y, o, cu_seqlens, desc, slots, o.stride(0), o.stride(1),
+        HV=heads_v, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, BV=bv,
+        PREC=precision_out or DOT_PRECISION_OUT, TRANS=trans, num_warps=num_warps or FACTORED_WARPS,
+        **pdl_args(dev),
+    )
+    return o
