@@ -443,19 +443,26 @@ def _verify_override() -> str:
 
 
 def _auto_impl(bsz: int, max_len: int, write_state) -> str:
-    """Block (WY) or sequential kernel, from run 3's table (bench/NOTES_gdn.md): the block kernel wins for
-    verification without state write at one request with T > 4 and at T = 9..16 for B = 8, 32; the sequential
-    kernel everywhere else up to 32 tokens (decode T = 1, short blocks, T = 17 and every state-writing call)."""
+    """The kernel for a call of up to 32 tokens a request, from measurements on the H200 (bench/gdn_verify2.py,
+    bench/NOTES.md 2026-12-02): verification (no state written, or a [B] mask: the engine's verification steps
+    write the states of the requests that decode without drafts) takes the factored kernel
+    (kernels/gdn_verify_triton.py), except short blocks at several requests, where the sequential kernel's one
+    pass over T tokens is shorter than two launches (T <= 4 from B = 4; T <= 8 at B <= 4) and T <= 2 at one
+    request; a call that writes every state (commit-like, decode outside graphs) takes the sequential kernel.
+    Measured (us, B x T, seq / factored): 4x4 8.6 / 14.5, 4x8 12.9 / 15.4, 8x8 20.1 / 18.0, 16x4 25.4 / 27.3,
+    32x4 47.0 / 48.0, 1x4 5.9 / 5.2, 32x16 114.6 / 60.0, 16x17 63.2 / 42.5, 64x17 261.8 / 152.6."""
     if max_len > 32:
         return "block"  # prefill in blocks of CHUNK_BT (reached with HYBRIDSPEC_GDN_PREFILL=block or a large DK)
-    if write_state is not False:
+    if write_state is True:
         return "seq"
     override = _verify_override()
     if override != "auto":
         return override
     if bsz == 1:
-        return "block" if max_len > 4 else "seq"
-    return "block" if 9 <= max_len <= 16 else "seq"
+        return "factored" if max_len > 2 else "seq"
+    if max_len <= 4 or (bsz <= 4 and max_len <= 8):
+        return "seq"
+    return "factored"
 
 
 def _prefill_impl(dim_k: int | None = None) -> str:

@@ -44,33 +44,41 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _load_state, _rowmajor
+from kernels.gdn_triton import DOT_PRECISION_OUT, _load_state, _rowmajor, _store_state, _write_mode
 from kernels.pdl import pdl_args, pdl_prologue
 
 # Defaults (bench/gdn_verify2.py on the H200; bench/NOTES.md records the sweep)
 FACTORED_BV = 64  # phase 2 value tile
 FACTORED_WARPS = 4  # phase 2
-FACTORED_PREP_WARPS = 4  # phase 1
+FACTORED_PREP_WARPS = {16: 2, 32: 4}  # phase 1, by block tokens BT
+# phase 1's dots: tf32 (its large products take the raw bf16 q, k, v, exact in tf32: only the [T, T] factor rounds)
+FACTORED_PREP_PRECISION = "tf32"
 FACTORED_TRANS = True  # phase 2 multiplies S^T [BV, DK] by q'^T (M = BV); False: q' [BT, DK] by S (M = BT)
 
 
 @triton.jit
 def _verify_prep_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, qp_ptr, y_ptr, scale,
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, wmask_ptr, qp_ptr, y_ptr, scale,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+    WRITE: tl.constexpr,  # 0: no request's state is written, 2: those where wmask[b] (phase 2 walks them)
     L2NORM: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """q' [BT, BK] and y [BT, BDV] of request b, value head hv, into the scratch rows of its tokens (module
-    docstring); scratch layouts [N, HV, BK] and [N, HV, BDV], contiguous."""
+    docstring); scratch layouts [N, HV, BK] and [N, HV, BDV], contiguous. The large products take the raw q, k, v
+    (bf16 values, exact in tf32) with the norms and gates folded into the fp32 [BT, BT] factor, so a tf32 dot
+    rounds only that factor."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // (HV // HK)
     bos = tl.load(cu_ptr + b).to(tl.int64)
     n = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
+    if WRITE == 2:
+        if tl.load(wmask_ptr + b) != 0:
+            n = 0  # a request whose state is written: phase 2 walks its tokens one by one
     if n > 0:
         t = tl.arange(0, BT)  # [BT]
         tm = t < n
@@ -82,9 +90,11 @@ def _verify_prep_kernel(
         k = tl.load(k_ptr + rows[:, None] * s_kn + hk * s_kh + dk[None, :], mask=km, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + rows[:, None] * s_qn + hk * s_qh + dk[None, :], mask=km, other=0.0).to(tl.float32)
         if L2NORM:
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]  # [BT, BK]
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        q = q * scale
+            rk = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)  # [BT]
+            rq = tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale
+        else:
+            rk = tl.full([BT], 1.0, tl.float32)
+            rq = tl.full([BT], 1.0, tl.float32) * scale
         g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT] (padding: 0)
         beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
         gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay
@@ -93,7 +103,7 @@ def _verify_prep_kernel(
         tj = t[None, :]
         lower_eq = tj <= ti  # [BT, BT]
         decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
-        kk = tl.dot(k, tl.trans(k), input_precision=PREC)  # [BT, BT]
+        kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]  # [BT, BT] of normed keys
         # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
         y_inv = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
         for i in range(2, n):
@@ -101,28 +111,66 @@ def _verify_prep_kernel(
             a = a + tl.sum(a[:, None] * y_inv, axis=0)
             y_inv = tl.where(ti == i, a[None, :], y_inv)
         inv = y_inv + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
-        p = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision=PREC) * decay, 0.0)  # [BT, BT] P
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]  # [BT, BT]
+        p = tl.where(lower_eq, qk * decay, 0.0)  # [BT, BT] P
         m = tl.dot(p, inv, input_precision=PREC)  # [BT, BT] M = P (I + A)^-1
-        qp = q * eg[:, None] - tl.dot(m, k * (beta * eg)[:, None], input_precision=PREC)  # [BT, BK] q'
+        # q' = diag(rq e^gc) q_raw - (M diag(rk beta e^gc)) k_raw;  y = (M diag(beta)) v_raw
+        qp = q * (rq * eg)[:, None] - tl.dot(m * (rk * beta * eg)[None, :], k, input_precision=PREC)  # [BT, BK]
         v = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dv[None, :], mask=vm, other=0.0).to(tl.float32)
-        yv = tl.dot(m, v * beta[:, None], input_precision=PREC)  # [BT, BDV] y
+        yv = tl.dot(m * beta[None, :], v, input_precision=PREC)  # [BT, BDV] y
         tl.store(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], qp, mask=tm[:, None])
         tl.store(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], yv, mask=tm[:, None])
 
 
 @triton.jit
+def _token_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row, hk, hv, dk, dv, scale,
+                s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
+                DK: tl.constexpr, DV: tl.constexpr, L2NORM: tl.constexpr, TRANS: tl.constexpr):
+    """One token of the delta rule on the state tile (S [BK, BV], or S^T [BV, BK] with TRANS), fp32 FMA as
+    kernels/gdn_triton.py's sequential kernel; stores the token's o [BV]. Returns the new tile."""
+    kmask = dk < DK
+    vmask = dv < DV
+    k = tl.load(k_ptr + row * s_kn + hk * s_kh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+    q = tl.load(q_ptr + row * s_qn + hk * s_qh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+    v = tl.load(v_ptr + row * s_vn + hv * s_vh + dv, mask=vmask, other=0.0).to(tl.float32)  # [BV]
+    g = tl.load(g_ptr + row * s_gn + hv * s_gh).to(tl.float32)
+    beta = tl.load(b_ptr + row * s_bn + hv * s_bh).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+    q = q * scale
+    S = S * tl.exp(g)
+    if TRANS:
+        delta = (v - tl.sum(S * k[None, :], axis=1)) * beta  # [BV]
+        S = S + delta[:, None] * k[None, :]
+        o = tl.sum(S * q[None, :], axis=1)  # [BV]
+    else:
+        delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BV]
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)  # [BV]
+    tl.store(o_ptr + row * s_on + hv * s_oh + dv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+    return S
+
+
+@triton.jit
 def _verify_out_kernel(
-    qp_ptr, y_ptr, o_ptr, cu_ptr, state_desc, slots_ptr, s_on, s_oh,
-    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    qp_ptr, y_ptr, o_ptr, cu_ptr, state_desc, slots_ptr, wmask_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, scale,
+    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
+    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, TRANS: tl.constexpr,
+    WRITE: tl.constexpr,  # 0: no state written, 2: request b's where wmask[b] (walked token by token here)
+    L2NORM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """o = q' S_0 + y for request b, value head hv, value columns v0 .. v0+BV; the state tile is read before the
-    PDL prologue (module docstring: the kernel before is phase 1, which writes no state)."""
+    PDL prologue (module docstring: the kernel before is phase 1, which writes no state). A request whose state
+    is written (WRITE 2 and wmask[b]: in a verification step, a request decoding one token without drafts) is
+    walked token by token on the tile, which is then stored."""
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
+    hk = hv // (HV // HK)
     bos = tl.load(cu_ptr + b).to(tl.int64)
     n = (tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32)
     if n > 0:
@@ -130,23 +178,33 @@ def _verify_out_kernel(
         s_row = ((slot * HV + hv) * DK).to(tl.int32)  # row of this tile in the pool viewed as [S*HV*DK, DV]
         S = _load_state(state_desc, s_row, v0, TRANS)  # [BK, BV] (TRANS: S^T [BV, BK])
         pdl_prologue(PDL)  # q' and y come from phase 1
-        t = tl.arange(0, BT)  # [BT]
-        tm = t < n
-        rows = bos + t  # [BT] int64
         dk = tl.arange(0, BK)  # [BK]
         dv = v0 + tl.arange(0, BV)  # [BV]
-        if TRANS:
-            qpt = tl.load(qp_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)
-            yt = tl.load(y_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)
-            ot = tl.dot(S, qpt, input_precision=PREC) + yt  # [BV, BT] o^T
-            tl.store(o_ptr + rows[None, :] * s_on + hv * s_oh + dv[:, None], ot.to(o_ptr.dtype.element_ty),
-                     mask=tm[None, :] & (dv < DV)[:, None])
+        write = False
+        if WRITE == 2:
+            write = tl.load(wmask_ptr + b) != 0
+        if write:
+            for t in range(0, n):
+                S = _token_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, bos + t, hk, hv, dk, dv, scale,
+                                s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
+                                DK, DV, L2NORM, TRANS)
+            _store_state(state_desc, s_row, v0, S, TRANS)
         else:
-            qp = tl.load(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)
-            yv = tl.load(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)
-            o = tl.dot(qp, S, input_precision=PREC) + yv  # [BT, BV]
-            tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=tm[:, None] & (dv < DV)[None, :])
+            t = tl.arange(0, BT)  # [BT]
+            tm = t < n
+            rows = bos + t  # [BT] int64
+            if TRANS:
+                qpt = tl.load(qp_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)
+                yt = tl.load(y_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)
+                ot = tl.dot(S, qpt, input_precision=PREC) + yt  # [BV, BT] o^T
+                tl.store(o_ptr + rows[None, :] * s_on + hv * s_oh + dv[:, None], ot.to(o_ptr.dtype.element_ty),
+                         mask=tm[None, :] & (dv < DV)[:, None])
+            else:
+                qp = tl.load(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)
+                yv = tl.load(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)
+                o = tl.dot(qp, S, input_precision=PREC) + yv  # [BT, BV]
+                tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                         mask=tm[:, None] & (dv < DV)[None, :])
     else:  # a request of no tokens: its programs pass the prologue too (kernels/pdl.py's ordering)
         pdl_prologue(PDL)
 
@@ -158,12 +216,12 @@ def gdn_verify_factored_triton(
     g: Tensor,  # [N, HV] log decay (<= 0)
     beta: Tensor,  # [N, HV]
     cu_seqlens: Tensor,  # [B+1] int32
-    state: Tensor,  # [S, HV, DK, DV] fp32 pool (read only)
+    state: Tensor,  # [S, HV, DK, DV] fp32 pool
     slots: Tensor,  # [B] int64
     max_len: int,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
-    write_state: bool | Tensor = False,
+    write_state: bool | Tensor = False,  # False, or a [B] bool mask of the requests whose state is advanced
     *,
     bv: int | None = None,
     num_warps: int | None = None,
@@ -172,11 +230,15 @@ def gdn_verify_factored_triton(
     precision_out: str | None = None,
     trans: bool | None = None,
 ) -> Tensor:
-    """gdn_recurrent_ref without a state write, in two launches (module docstring): o [N, HV, DV] in v's dtype.
-    Every block is at most 32 tokens. The keyword-only arguments are tile sizes / launch options for measurement."""
-    if write_state is not False:
-        raise ValueError("gdn_verify_factored_triton verifies only: write_state must be False (commit with "
-                         "gdn_commit_triton)")
+    """gdn_recurrent_ref in two launches (module docstring) for verification: o [N, HV, DV] in v's dtype, every
+    block at most 32 tokens. write_state False leaves the pool untouched; a [B] mask advances the chosen requests'
+    states over their whole blocks (walked token by token in phase 2: in the engine's verification steps those are
+    the requests decoding one token without drafts). write_state=True (every state written) is the sequential
+    kernel's job (kernels/gdn_triton.py) and is refused. The keyword-only arguments are tile sizes / launch options
+    for measurement."""
+    if write_state is True:
+        raise ValueError("gdn_verify_factored_triton: write_state must be False or a [B] mask, got True (a call "
+                         "that writes every state takes gdn_triton's sequential kernel)")
     if not 0 <= max_len <= 32:
         raise ValueError(f"max_len must be between 0 and 32 (one block a request), got {max_len}")
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
@@ -188,6 +250,7 @@ def gdn_verify_factored_triton(
     bsz = slots.shape[0]
     if bsz == 0 or n_tok == 0 or max_len == 0:
         return o
+    write, wmask = _write_mode(write_state, slots)  # 0 or 2 here
     bt = 16 if max_len <= 16 else 32
     bk = max(16, triton.next_power_of_2(dim_k))
     bdv = max(16, triton.next_power_of_2(dim_v))
@@ -197,19 +260,20 @@ def gdn_verify_factored_triton(
     dev = v.device
     qp = torch.empty(n_tok, heads_v, bk, dtype=torch.float32, device=dev)  # [N, HV, BK] q'
     y = torch.empty(n_tok, heads_v, bdv, dtype=torch.float32, device=dev)  # [N, HV, BDV] y
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+               g.stride(1), beta.stride(0), beta.stride(1))
     _verify_prep_kernel[(bsz, heads_v)](
-        q, k, v, g, beta, cu_seqlens, qp, y, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1),
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, L2NORM=use_qk_l2norm,
-        PREC=precision or DOT_PRECISION, num_warps=prep_warps or FACTORED_PREP_WARPS,
+        q, k, v, g, beta, cu_seqlens, wmask, qp, y, scale, *strides,
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, WRITE=write, L2NORM=use_qk_l2norm,
+        PREC=precision or FACTORED_PREP_PRECISION, num_warps=prep_warps or FACTORED_PREP_WARPS[bt],
         **pdl_args(dev),
     )
     desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
     _verify_out_kernel[(bsz, heads_v, dim_v // bv)](
-        qp, y, o, cu_seqlens, desc, slots, o.stride(0), o.stride(1),
-        HV=heads_v, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, BV=bv,
-        PREC=precision_out or DOT_PRECISION_OUT, TRANS=trans, num_warps=num_warps or FACTORED_WARPS,
+        qp, y, o, cu_seqlens, desc, slots, wmask, q, k, v, g, beta, scale, *strides, o.stride(0), o.stride(1),
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, BV=bv, WRITE=write,
+        L2NORM=use_qk_l2norm, PREC=precision_out or DOT_PRECISION_OUT, TRANS=trans,
+        num_warps=num_warps or FACTORED_WARPS,
         **pdl_args(dev),
     )
     return o

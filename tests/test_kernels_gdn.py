@@ -89,9 +89,10 @@ def case_verify_options():
 def case_verify_factored():
     """The factored verification kernel (kernels/gdn_verify_triton.py: o = q' S_0 + y in two launches): ragged
     blocks (T = 1..17 and the 32-token block), an idle request between two others, scale without l2norm, both
-    layouts of phase 2 and several value tiles; the pool stays untouched (every slot, the others too). It refuses
-    a state write and blocks over 32 tokens, naming the argument; gdn_triton reaches it through impl="factored" and
-    through HYBRIDSPEC_GDN_VERIFY=factored."""
+    layouts of phase 2 and several value tiles; the pool stays untouched (every slot, the others too). With a
+    write mask the chosen requests' states advance over their blocks (one-token decodes and longer blocks) and no
+    other slot changes. It refuses write_state=True and blocks over 32 tokens, naming the argument; gdn_triton
+    reaches it through impl="factored" and through HYBRIDSPEC_GDN_VERIFY=factored."""
     from kernels.gdn import gdn_recurrent_ref
     from kernels.gdn_triton import _auto_impl, gdn_triton
     from kernels.gdn_verify_triton import gdn_verify_factored_triton
@@ -108,6 +109,21 @@ def case_verify_factored():
                                                **kw)
             errs[f"{name}/trans{int(trans)}/bv{bv}/o"] = _rel(o_tri, o_ref)
             errs[f"{name}/trans{int(trans)}/bv{bv}/pool_untouched"] = float(not torch.equal(s_tri, state))
+    # a write mask (the engine's verification steps: requests decoding without drafts advance their states here)
+    for name, lens, mask in (("mask", [1, 3, 17], [True, False, True]), ("mask_decode", [1, 16, 1], [True, False, True]),
+                             ("mask_idle", [2, 0, 5], [False, True, True])):
+        for trans in (True, False):
+            q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=14)
+            s_ref, s_tri, m = state.clone(), state.clone(), torch.tensor(mask)
+            o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, s_ref, slots, max(lens), write_state=m)
+            o_tri = gdn_verify_factored_triton(q, k, v, g, beta, cu, s_tri, slots, max(lens), write_state=m,
+                                               trans=trans, bv=16)
+            errs[f"{name}/trans{int(trans)}/o"] = _rel(o_tri, o_ref)
+            errs[f"{name}/trans{int(trans)}/state"] = _rel(s_tri, s_ref)
+            written = [sl for sl, w, n in zip(slots.tolist(), mask, lens) if w and n]
+            errs[f"{name}/trans{int(trans)}/others_untouched"] = float(not torch.equal(
+                s_tri[[i for i in range(NUM_SLOTS) if i not in written]],
+                state[[i for i in range(NUM_SLOTS) if i not in written]]))
     q, k, v, g, beta, cu, state, slots = _gdn_inputs([1, 3, 17], seed=13)
     o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False)
     errs["via_gdn_triton/o"] = _rel(gdn_triton(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False,
@@ -120,7 +136,7 @@ def case_verify_factored():
         errs["env_keeps_writes_seq"] = float(_auto_impl(3, 17, True) != "seq")
     finally:
         del os.environ["HYBRIDSPEC_GDN_VERIFY"]
-    for bad, kw in (("write_state", dict(write_state=True)), ("max_len", dict(max_len=33))):
+    for bad, kw in (("write_state", dict(write_state=True)), ("max_len", dict(max_len=33))):  # names the argument
         try:
             args = {**dict(max_len=17, write_state=False), **kw}
             gdn_verify_factored_triton(q, k, v, g, beta, cu, state.clone(), slots, args["max_len"],
@@ -259,16 +275,18 @@ def case_dispatch():
         outs[mode] = (o, s, co, cs)
     for name, a, b in zip(("gdn/o", "gdn/state", "conv/o", "conv/state"), outs["triton"], outs["ref"]):
         errs[name] = _rel(a, b)
-    # auto policy: T = 9..16 at B > 1 without a state write takes the block kernel (the case above took seq)
+    # auto policy: T = 9..16 at B > 1 without a state write takes the factored kernel (the case above took seq)
     from kernels.gdn_triton import _auto_impl
     q, k, v, g, beta, cu, state, slots = _gdn_inputs([3, 9, 16], seed=11)
     o_ref = {}
     for mode in ("triton", "ref"):
         os.environ["HYBRIDSPEC_KERNELS"] = mode
         o_ref[mode] = dispatch.gdn(q, k, v, g, beta, cu, state.clone(), slots, 16, write_state=False)
-    errs["gdn_block_via_auto/o"] = _rel(o_ref["triton"], o_ref["ref"])
-    expected = {(1, 1, False): "seq", (1, 8, False): "block", (3, 16, False): "block", (3, 17, False): "seq",
-                (3, 16, True): "seq", (1, 100, True): "block"}
+    errs["gdn_factored_via_auto/o"] = _rel(o_ref["triton"], o_ref["ref"])
+    mask = torch.tensor([True, False, True])
+    expected = {(1, 1, False): "seq", (1, 8, False): "factored", (3, 16, False): "factored", (3, 4, False): "seq",
+                (4, 8, mask): "seq", (8, 8, mask): "factored", (3, 17, mask): "factored", (3, 16, True): "seq",
+                (1, 100, True): "block"}
     errs["auto_policy"] = float(sum(_auto_impl(*key) != impl for key, impl in expected.items()))
     errs["ref_mode_uses_reference"] = 0.0 if dispatch.use_triton(v) is False else 1.0  # env is "ref" now
     return errs
