@@ -43,6 +43,7 @@ FACTORED = {  # the first is the kernel's default (FACTORED_*: phase 1 tf32 on r
     "f p4": dict(prep_warps=4),
     "f p2": dict(prep_warps=2),
     "f p8": dict(prep_warps=8),
+    "f kc64": dict(kc=64),
     "f prep x3": dict(precision="tf32x3"),
     "f out x3": dict(precision_out="tf32x3"),
     "f w8": dict(num_warps=8),

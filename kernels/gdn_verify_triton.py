@@ -53,6 +53,7 @@ FACTORED_WARPS = 4  # phase 2
 FACTORED_PREP_WARPS = {16: 2, 32: 4}  # phase 1, by block tokens BT
 # phase 1's dots: tf32 (its large products take the raw bf16 q, k, v, exact in tf32: only the [T, T] factor rounds)
 FACTORED_PREP_PRECISION = "tf32"
+FACTORED_KC = 32  # phase 1: columns of q, k, v per piece
 FACTORED_TRANS = True  # phase 2 multiplies S^T [BV, DK] by q'^T (M = BV); False: q' [BT, DK] by S (M = BT)
 
 
@@ -61,7 +62,7 @@ def _verify_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, wmask_ptr, qp_ptr, y_ptr, scale,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, KC: tl.constexpr,
     WRITE: tl.constexpr,  # 0: no request's state is written, 2: those where wmask[b] (phase 2 walks them)
     L2NORM: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
@@ -83,15 +84,27 @@ def _verify_prep_kernel(
         t = tl.arange(0, BT)  # [BT]
         tm = t < n
         rows = bos + t  # [BT] int64
-        dk = tl.arange(0, BK)  # [BK]
-        dv = tl.arange(0, BDV)  # [BDV]
-        km = tm[:, None] & (dk < DK)[None, :]  # [BT, BK]
-        vm = tm[:, None] & (dv < DV)[None, :]  # [BT, BDV]
-        k = tl.load(k_ptr + rows[:, None] * s_kn + hk * s_kh + dk[None, :], mask=km, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + rows[:, None] * s_qn + hk * s_qh + dk[None, :], mask=km, other=0.0).to(tl.float32)
+        k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
+        q_rows = q_ptr + rows[:, None] * s_qn + hk * s_qh  # [BT, 1]
+        # [BT, BT] products and row norms from KC-wide column pieces of the raw q, k (the registers hold [BT, KC]
+        # pieces, never a whole [BT, DK] tile: 255 registers and spills at BT = 32 with whole tiles; the pieces'
+        # loops stay loops, unrolled they took 207 / 255 registers)
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        ksq = tl.zeros([BT], dtype=tl.float32)
+        qsq = tl.zeros([BT], dtype=tl.float32)
+        for c in range(0, BK, KC):
+            dc = c + tl.arange(0, KC)  # [KC]
+            cm = tm[:, None] & (dc < DK)[None, :]
+            kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
+            qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
+            ksq += tl.sum(kc * kc, axis=1)
+            qsq += tl.sum(qc * qc, axis=1)
         if L2NORM:
-            rk = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)  # [BT]
-            rq = tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale
+            rk = tl.rsqrt(ksq + 1e-6)  # [BT]
+            rq = tl.rsqrt(qsq + 1e-6) * scale
         else:
             rk = tl.full([BT], 1.0, tl.float32)
             rq = tl.full([BT], 1.0, tl.float32) * scale
@@ -103,7 +116,7 @@ def _verify_prep_kernel(
         tj = t[None, :]
         lower_eq = tj <= ti  # [BT, BT]
         decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
-        kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]  # [BT, BT] of normed keys
+        kk = kk * rk[:, None] * rk[None, :]  # [BT, BT] of the normalised keys
         # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
         y_inv = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
         for i in range(2, n):
@@ -111,15 +124,25 @@ def _verify_prep_kernel(
             a = a + tl.sum(a[:, None] * y_inv, axis=0)
             y_inv = tl.where(ti == i, a[None, :], y_inv)
         inv = y_inv + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]  # [BT, BT]
-        p = tl.where(lower_eq, qk * decay, 0.0)  # [BT, BT] P
+        p = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT] P
         m = tl.dot(p, inv, input_precision=PREC)  # [BT, BT] M = P (I + A)^-1
-        # q' = diag(rq e^gc) q_raw - (M diag(rk beta e^gc)) k_raw;  y = (M diag(beta)) v_raw
-        qp = q * (rq * eg)[:, None] - tl.dot(m * (rk * beta * eg)[None, :], k, input_precision=PREC)  # [BT, BK]
-        v = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dv[None, :], mask=vm, other=0.0).to(tl.float32)
-        yv = tl.dot(m * beta[None, :], v, input_precision=PREC)  # [BT, BDV] y
-        tl.store(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], qp, mask=tm[:, None])
-        tl.store(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], yv, mask=tm[:, None])
+        # q' = diag(rq e^gc) q_raw - (M diag(rk beta e^gc)) k_raw;  y = (M diag(beta)) v_raw; piece by piece
+        mk = m * (rk * beta * eg)[None, :]  # [BT, BT]
+        mb = m * beta[None, :]  # [BT, BT]
+        fq = rq * eg  # [BT]
+        for c in range(0, BK, KC):
+            dc = c + tl.arange(0, KC)  # [KC]
+            cm = tm[:, None] & (dc < DK)[None, :]
+            kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            qp = qc * fq[:, None] - tl.dot(mk, kc, input_precision=PREC)  # [BT, KC] q'
+            tl.store(qp_ptr + (rows[:, None] * HV + hv) * BK + dc[None, :], qp, mask=tm[:, None])
+        for c in range(0, BDV, KC):
+            dc = c + tl.arange(0, KC)  # [KC]
+            vc = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dc[None, :],
+                         mask=tm[:, None] & (dc < DV)[None, :], other=0.0).to(tl.float32)  # [BT, KC]
+            tl.store(y_ptr + (rows[:, None] * HV + hv) * BDV + dc[None, :],
+                     tl.dot(mb, vc, input_precision=PREC), mask=tm[:, None])  # [BT, KC] y
 
 
 @triton.jit
@@ -184,8 +207,8 @@ def _verify_out_kernel(
         if WRITE == 2:
             write = tl.load(wmask_ptr + b) != 0
         if write:
-            for t in range(0, n):
-                S = _token_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, bos + t, hk, hv, dk, dv, scale,
+            for j in range(0, n):
+                S = _token_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, bos + j, hk, hv, dk, dv, scale,
                                 s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
                                 DK, DV, L2NORM, TRANS)
             _store_state(state_desc, s_row, v0, S, TRANS)
@@ -226,6 +249,7 @@ def gdn_verify_factored_triton(
     bv: int | None = None,
     num_warps: int | None = None,
     prep_warps: int | None = None,
+    kc: int | None = None,
     precision: str | None = None,
     precision_out: str | None = None,
     trans: bool | None = None,
@@ -264,8 +288,8 @@ def gdn_verify_factored_triton(
                g.stride(1), beta.stride(0), beta.stride(1))
     _verify_prep_kernel[(bsz, heads_v)](
         q, k, v, g, beta, cu_seqlens, wmask, qp, y, scale, *strides,
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, WRITE=write, L2NORM=use_qk_l2norm,
-        PREC=precision or FACTORED_PREP_PRECISION, num_warps=prep_warps or FACTORED_PREP_WARPS[bt],
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, KC=min(kc or FACTORED_KC, bk, bdv),
+        WRITE=write, L2NORM=use_qk_l2norm, PREC=precision or FACTORED_PREP_PRECISION, num_warps=prep_warps or FACTORED_PREP_WARPS[bt],
         **pdl_args(dev),
     )
     desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])

@@ -4,7 +4,6 @@ are recorded by a stand-in for the kernel (nothing runs), and triton compiles th
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import pytest
@@ -14,6 +13,7 @@ import kernels.attention_triton as AT
 import kernels.elementwise_triton as ET
 import kernels.norm_triton as NT
 from kernels.rounding import REFERENCE_ROUNDING
+from sm90 import compile_sm90  # noqa: E402  (tests/ is on sys.path under pytest)
 
 BF16_PTRS = ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "kc_ptr", "vc_ptr", "x_ptr",
              "o_ptr", "r_ptr", "gl_ptr", "s_ptr", "h_ptr", "sh_ptr", "w_ptr")
@@ -30,14 +30,7 @@ KERNELS = {  # name: (module, kernel, constexprs)
 
 
 def _ptx(kernel, constexprs: dict, fusion: bool) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    params = list(inspect.signature(kernel.fn).parameters)
-    sig = {p: "constexpr" if p in constexprs else TYPES.get(p, "i32") for p in params}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"enable_fp_fusion": fusion, "num_warps": 4}).asm["ptx"]
+    return compile_sm90(kernel, constexprs, TYPES, enable_fp_fusion=fusion).asm["ptx"]
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
