@@ -9,10 +9,10 @@ one state product, two launches):
 2. The factored kernel's variants (phase 2's value tile, its layout, warps of each phase, phase 1's precision) at
    SWEEP_POINTS; the one with the least summed time is the `factored` column below.
 3. block / seq / factored at every (B, T) of POINTS (all B requests verify T tokens), against floor_r (the fp32
-   states read once plus q/k/v/g/beta/o at 4.3 TB/s). `old auto` is what _auto_impl picked before the factored
-   kernel for a call without a state write (block or seq); the engine's verification steps pass a write mask
-   (requests without drafts advance their states), which took the sequential kernel every time: `seq` is what
-   served verification ran before.
+   states read once plus q/k/v/g/beta/o at 4.3 TB/s); the factored default also as a captured graph calls it
+   (max_len 17, the bucket's largest block). The engine's verification steps pass a write mask (requests without
+   drafts advance their states), which took the sequential kernel every time before: `seq` is what served
+   verification ran. `auto in a graph` is _auto_impl's pick for such a call.
 
 Issue 6's target: B=32, T=16 <= 60 us (block kernel 83 us, bench/NOTES_gdn.md). Same shapes, data, rotation of
 state slots and CUDA-graph timing as bench/kernels_gdn.py. --quick: a CPU-sized smoke run (tiny shapes, the
@@ -35,19 +35,16 @@ sys.path.insert(0, str(ROOT))
 
 POINTS = [(b, t) for b in (1, 4, 8, 16, 32, 64) for t in (4, 8, 16, 17)]
 SWEEP_POINTS = [(1, 16), (8, 17), (32, 16), (64, 8), (16, 17)]
-FACTORED = {  # the first is the kernel's default (FACTORED_*: phase 1 tf32 on raw operands, 2 / 4 warps by BT)
+FACTORED = {  # the first is the kernel's default (kernels/gdn_verify_triton.py FACTORED_*)
     "f default": dict(),
-    "f bv32 T": dict(bv=32, trans=True),
+    "f bv64 T": dict(bv=64, trans=True),
     "f bv64 N": dict(bv=64, trans=False),
-    "f bv128 N": dict(bv=128, trans=False),
     "f p4": dict(prep_warps=4),
-    "f p2": dict(prep_warps=2),
-    "f p8": dict(prep_warps=8),
     "f kc64": dict(kc=64),
     "f prep x3": dict(precision="tf32x3"),
     "f out x3": dict(precision_out="tf32x3"),
-    "f w8": dict(num_warps=8),
 }
+GRAPH_MAX_LEN = 17  # a captured verification graph's max_len (its bucket's largest block at max_verify_len 16)
 
 
 def _variants(gt, fv):
@@ -55,13 +52,9 @@ def _variants(gt, fv):
              "seq": lambda a, t: gt.gdn_triton(*a, t, write_state=False, impl="seq")}
     fact = {name: (lambda kw: (lambda a, t: fv.gdn_verify_factored_triton(*a, t, **kw)))(kw)
             for name, kw in FACTORED.items()}
+    # the default as a captured graph calls it: max_len the bucket's largest block, the blocks shorter
+    block["f default @17"] = lambda a, t: fv.gdn_verify_factored_triton(*a, GRAPH_MAX_LEN)
     return block, fact
-
-
-def _old_auto(bsz: int, t: int) -> str:
-    if bsz == 1:
-        return "block" if t > 4 else "seq"
-    return "block" if 9 <= t <= 16 else "seq"
 
 
 def main() -> None:
@@ -146,23 +139,23 @@ def main() -> None:
     res["best_factored"] = best
 
     # 3. the table
-    names = ["block", "seq"] + ([best] if best else [])
+    names = ["block", "seq", "f default @17"] + ([best] if best else [])
     for bsz, t in POINTS:
         row = {"B": bsz, "T": t, **kg.floors_us(bsz * t, bsz), **timed(bsz, t, names)}
-        row["old_auto"] = _old_auto(bsz, t)
         res["rows"].append(row)
     (out / "gdn_verify2.json").write_text(json.dumps(res, indent=1))
     for e in res["errors"]:
         print("error:", e)
     print(f"best factored variant: {best} ({FACTORED.get(best)})")
-    print("| B | T | floor_r | block | seq (served before) | old auto | factored | factored / seq | auto now |")
+    print("| B | T | floor_r | block | seq (served before) | factored, best | factored default, max_len 17 "
+          "(as in graphs) | that / seq | auto in a graph |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
-        old = r.get(r["old_auto"], float("nan"))
         f = r.get(best, float("nan")) if best else float("nan")
-        sq = r.get("seq", float("nan"))
+        sq, g17 = r.get("seq", float("nan")), r.get("f default @17", float("nan"))
+        auto = gt._auto_impl(r["B"], GRAPH_MAX_LEN, torch.zeros(r["B"], dtype=torch.bool), r["B"] * r["T"])
         print(f"| {r['B']} | {r['T']} | {r['floor_r_us']:.1f} | {r.get('block', float('nan')):.1f} | {sq:.1f} | "
-              f"{r['old_auto']} {old:.1f} | {f:.1f} | {f / sq:.2f} | {gt._auto_impl(r['B'], r['T'], False)} |")
+              f"{f:.1f} | {g17:.1f} | {g17 / sq:.2f} | {auto} |")
 
 
 if __name__ == "__main__":

@@ -442,15 +442,22 @@ def _verify_override() -> str:
     return impl
 
 
-def _auto_impl(bsz: int, max_len: int, write_state) -> str:
-    """The kernel for a call of up to 32 tokens a request, from measurements on the H200 (bench/gdn_verify2.py,
-    bench/NOTES.md 2026-12-02): verification (no state written, or a [B] mask: the engine's verification steps
-    write the states of the requests that decode without drafts) takes the factored kernel
-    (kernels/gdn_verify_triton.py), except short blocks at several requests, where the sequential kernel's one
-    pass over T tokens is shorter than two launches (T <= 4 from B = 4; T <= 8 at B <= 4) and T <= 2 at one
-    request; a call that writes every state (commit-like, decode outside graphs) takes the sequential kernel.
-    Measured (us, B x T, seq / factored): 4x4 8.6 / 14.5, 4x8 12.9 / 15.4, 8x8 20.1 / 18.0, 16x4 25.4 / 27.3,
-    32x4 47.0 / 48.0, 1x4 5.9 / 5.2, 32x16 114.6 / 60.0, 16x17 63.2 / 42.5, 64x17 261.8 / 152.6."""
+def _factored_from(bsz: int) -> int:
+    """Tokens a request from which the factored kernel beats the sequential one (bench/gdn_verify2.py, H200,
+    2026-12-02, 80ce65b, us seq / factored): B=1 T=4 5.9 / 8.0, T=8 9.4 / 9.2; B=4 T=4 8.7 / 11.9, T=8 12.9 / 12.6;
+    B=8 T=4 13.9 / 15.1, T=8 20.1 / 16.7; B=16 T=4 25.4 / 23.1; B=32 T=4 46.8 / 37.5; B=64 T=4 89.4 / 68.1. At T=16
+    it is 0.36-0.73x the sequential kernel's time, at T=17 0.66-0.98x."""
+    return 8 if bsz <= 4 else 6 if bsz <= 8 else 4
+
+
+def _auto_impl(bsz: int, max_len: int, write_state, n_tokens: int | None = None) -> str:
+    """The kernel for a call of up to 32 tokens a request. Verification (no state written, or a [B] mask: the
+    engine's verification steps write the states of the requests that decode without drafts) takes the factored
+    kernel (kernels/gdn_verify_triton.py) from _factored_from(B) tokens a request on, judged by the mean block
+    n_tokens / B where n_tokens is given (a captured graph's max_len is its bucket's largest block, 17, whatever its
+    steps verify), the sequential kernel below; a call that writes every state takes the sequential kernel. Before
+    the factored kernel, verification without a write took the block kernel at some shapes, but the engine's
+    masked calls took the sequential kernel every time."""
     if max_len > 32:
         return "block"  # prefill in blocks of CHUNK_BT (reached with HYBRIDSPEC_GDN_PREFILL=block or a large DK)
     if write_state is True:
@@ -458,11 +465,8 @@ def _auto_impl(bsz: int, max_len: int, write_state) -> str:
     override = _verify_override()
     if override != "auto":
         return override
-    if bsz == 1:
-        return "factored" if max_len > 2 else "seq"
-    if max_len <= 4 or (bsz <= 4 and max_len <= 8):
-        return "seq"
-    return "factored"
+    per_request = max_len if n_tokens is None else -(-n_tokens // max(bsz, 1))
+    return "factored" if per_request >= _factored_from(bsz) else "seq"
 
 
 def _prefill_impl(dim_k: int | None = None) -> str:
@@ -525,7 +529,7 @@ def gdn_triton(
     write, wmask = _write_mode(write_state, slots)
     bsz = slots.shape[0]
     if impl == "auto":
-        impl = _auto_impl(bsz, max_len, write_state)
+        impl = _auto_impl(bsz, max_len, write_state, k.shape[0])
     if impl == "factored":
         from kernels.gdn_verify_triton import gdn_verify_factored_triton
         opts = dict(bv=bv, num_warps=num_warps, precision=precision, precision_out=precision_out, trans=trans)

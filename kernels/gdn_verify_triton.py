@@ -47,14 +47,91 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels.gdn_triton import DOT_PRECISION_OUT, _load_state, _rowmajor, _store_state, _write_mode
 from kernels.pdl import pdl_args, pdl_prologue
 
-# Defaults (bench/gdn_verify2.py on the H200; bench/NOTES.md records the sweep)
-FACTORED_BV = 64  # phase 2 value tile
+# Defaults from bench/gdn_verify2.py on the H200 (bench/NOTES.md, 2026-12-02: 80ce65b's sweep; us at B x T = 32x16 /
+# 64x8 / 16x17 / 8x17): phase 2 with BV = 128 and q' [BT, DK] times S (49.4 / 76.2 / 47.6 / 32.2) against BV = 64 with
+# S^T times q'^T (55.8 / 93.4 / 52.8 / 34.0); phase 1 with 2 warps (4: 69.0 / 107.0 / 52.8 / 34.1; 8 slower), 32 key
+# columns a piece, tf32 (tf32x3 +3-10%). One or two requests (32-64 programs, latency-bound): fewer, wider steps,
+# the whole key dimension at once with 4 warps (B = 1, T = 16: 7.1 us in 2c787c4's run; 64 columns 9.3, 32 columns
+# 11.6 in 80ce65b's). Registers (ptxas, sm_90, both block widths compiled in): 205 at 2 warps / 32 columns, 238 at
+# 4 warps / 128 columns; 2 warps / 64 columns spill.
+FACTORED_BV = 128  # phase 2 value tile
 FACTORED_WARPS = 4  # phase 2
-FACTORED_PREP_WARPS = {16: 2, 32: 4}  # phase 1, by block tokens BT
+FACTORED_TRANS = False  # phase 2: q' [BT, DK] times S [DK, BV] (True: S^T [BV, DK] times q'^T, M = BV)
+FACTORED_PREP_WARPS = 2  # phase 1
 # phase 1's dots: tf32 (its large products take the raw bf16 q, k, v, exact in tf32: only the [T, T] factor rounds)
 FACTORED_PREP_PRECISION = "tf32"
 FACTORED_KC = 32  # phase 1: columns of q, k, v per piece
-FACTORED_TRANS = True  # phase 2 multiplies S^T [BV, DK] by q'^T (M = BV); False: q' [BT, DK] by S (M = BT)
+FACTORED_FEW, FACTORED_KC_FEW, FACTORED_PREP_WARPS_FEW = 2, 128, 4  # phase 1 up to FACTORED_FEW requests
+
+
+@triton.jit
+def _prep_block(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qp_ptr, y_ptr, scale, bos, n, hk, hv,
+                s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
+                HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BDV: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """Phase 1 for one request (n <= BT tokens from row bos) and value head hv: q', y into the scratch."""
+    t = tl.arange(0, BT)  # [BT]
+    tm = t < n
+    rows = bos + t  # [BT] int64
+    k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
+    q_rows = q_ptr + rows[:, None] * s_qn + hk * s_qh  # [BT, 1]
+    # [BT, BT] products and row norms from KC-wide column pieces of the raw q, k (the registers hold [BT, KC]
+    # pieces, never a whole [BT, DK] tile: 255 registers and spills at BT = 32 with whole tiles; the pieces'
+    # loops stay loops, unrolled they took 207 / 255 registers)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    ksq = tl.zeros([BT], dtype=tl.float32)
+    qsq = tl.zeros([BT], dtype=tl.float32)
+    for c in range(0, BK, KC):
+        dc = c + tl.arange(0, KC)  # [KC]
+        cm = tm[:, None] & (dc < DK)[None, :]
+        kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+        qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+        kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
+        qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
+        ksq += tl.sum(kc * kc, axis=1)
+        qsq += tl.sum(qc * qc, axis=1)
+    if L2NORM:
+        rk = tl.rsqrt(ksq + 1e-6)  # [BT]
+        rq = tl.rsqrt(qsq + 1e-6) * scale
+    else:
+        rk = tl.full([BT], 1.0, tl.float32)
+        rq = tl.full([BT], 1.0, tl.float32) * scale
+    g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT] (padding: 0)
+    beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
+    gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay
+    eg = tl.exp(gc)  # [BT]
+    ti = t[:, None]
+    tj = t[None, :]
+    lower_eq = tj <= ti  # [BT, BT]
+    decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
+    kk = kk * rk[:, None] * rk[None, :]  # [BT, BT] of the normalised keys
+    # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
+    y_inv = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
+    for i in range(2, n):
+        a = tl.sum(tl.where(ti == i, y_inv, 0.0), axis=0)  # [BT] row i of -A
+        a = a + tl.sum(a[:, None] * y_inv, axis=0)
+        y_inv = tl.where(ti == i, a[None, :], y_inv)
+    inv = y_inv + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
+    p = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT] P
+    m = tl.dot(p, inv, input_precision=PREC)  # [BT, BT] M = P (I + A)^-1
+    # q' = diag(rq e^gc) q_raw - (M diag(rk beta e^gc)) k_raw;  y = (M diag(beta)) v_raw; piece by piece
+    mk = m * (rk * beta * eg)[None, :]  # [BT, BT]
+    mb = m * beta[None, :]  # [BT, BT]
+    fq = rq * eg  # [BT]
+    for c in range(0, BK, KC):
+        dc = c + tl.arange(0, KC)  # [KC]
+        cm = tm[:, None] & (dc < DK)[None, :]
+        kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+        qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+        qp = qc * fq[:, None] - tl.dot(mk, kc, input_precision=PREC)  # [BT, KC] q'
+        tl.store(qp_ptr + (rows[:, None] * HV + hv) * BK + dc[None, :], qp, mask=tm[:, None])
+    for c in range(0, BDV, KC):
+        dc = c + tl.arange(0, KC)  # [KC]
+        vc = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dc[None, :],
+                     mask=tm[:, None] & (dc < DV)[None, :], other=0.0).to(tl.float32)  # [BT, KC]
+        tl.store(y_ptr + (rows[:, None] * HV + hv) * BDV + dc[None, :],
+                 tl.dot(mb, vc, input_precision=PREC), mask=tm[:, None])  # [BT, KC] y
 
 
 @triton.jit
@@ -62,13 +139,15 @@ def _verify_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, wmask_ptr, qp_ptr, y_ptr, scale,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, KC: tl.constexpr,
+    MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, KC: tl.constexpr,
     WRITE: tl.constexpr,  # 0: no request's state is written, 2: those where wmask[b] (phase 2 walks them)
     L2NORM: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    """q' [BT, BK] and y [BT, BDV] of request b, value head hv, into the scratch rows of its tokens (module
-    docstring); scratch layouts [N, HV, BK] and [N, HV, BDV], contiguous. The large products take the raw q, k, v
+    """q' [n, BK] and y [n, BDV] of request b (n tokens), value head hv, into the scratch rows of its tokens
+    (module docstring); scratch layouts [N, HV, BK] and [N, HV, BDV], contiguous. The block is 16 tokens wide
+    where n <= 16, else MAX_BT (32): chosen per request on the device, so a graph captured for blocks of up to 17
+    tokens pays the 32-wide block only for the requests that verify 17. The large products take the raw q, k, v
     (bf16 values, exact in tf32) with the norms and gates folded into the fp32 [BT, BT] factor, so a tf32 dot
     rounds only that factor."""
     pdl_prologue(PDL)
@@ -80,69 +159,15 @@ def _verify_prep_kernel(
     if WRITE == 2:
         if tl.load(wmask_ptr + b) != 0:
             n = 0  # a request whose state is written: phase 2 walks its tokens one by one
-    if n > 0:
-        t = tl.arange(0, BT)  # [BT]
-        tm = t < n
-        rows = bos + t  # [BT] int64
-        k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
-        q_rows = q_ptr + rows[:, None] * s_qn + hk * s_qh  # [BT, 1]
-        # [BT, BT] products and row norms from KC-wide column pieces of the raw q, k (the registers hold [BT, KC]
-        # pieces, never a whole [BT, DK] tile: 255 registers and spills at BT = 32 with whole tiles; the pieces'
-        # loops stay loops, unrolled they took 207 / 255 registers)
-        kk = tl.zeros([BT, BT], dtype=tl.float32)
-        qk = tl.zeros([BT, BT], dtype=tl.float32)
-        ksq = tl.zeros([BT], dtype=tl.float32)
-        qsq = tl.zeros([BT], dtype=tl.float32)
-        for c in range(0, BK, KC):
-            dc = c + tl.arange(0, KC)  # [KC]
-            cm = tm[:, None] & (dc < DK)[None, :]
-            kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-            kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
-            qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
-            ksq += tl.sum(kc * kc, axis=1)
-            qsq += tl.sum(qc * qc, axis=1)
-        if L2NORM:
-            rk = tl.rsqrt(ksq + 1e-6)  # [BT]
-            rq = tl.rsqrt(qsq + 1e-6) * scale
-        else:
-            rk = tl.full([BT], 1.0, tl.float32)
-            rq = tl.full([BT], 1.0, tl.float32) * scale
-        g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT] (padding: 0)
-        beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
-        gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay
-        eg = tl.exp(gc)  # [BT]
-        ti = t[:, None]
-        tj = t[None, :]
-        lower_eq = tj <= ti  # [BT, BT]
-        decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
-        kk = kk * rk[:, None] * rk[None, :]  # [BT, BT] of the normalised keys
-        # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
-        y_inv = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
-        for i in range(2, n):
-            a = tl.sum(tl.where(ti == i, y_inv, 0.0), axis=0)  # [BT] row i of -A
-            a = a + tl.sum(a[:, None] * y_inv, axis=0)
-            y_inv = tl.where(ti == i, a[None, :], y_inv)
-        inv = y_inv + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
-        p = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT] P
-        m = tl.dot(p, inv, input_precision=PREC)  # [BT, BT] M = P (I + A)^-1
-        # q' = diag(rq e^gc) q_raw - (M diag(rk beta e^gc)) k_raw;  y = (M diag(beta)) v_raw; piece by piece
-        mk = m * (rk * beta * eg)[None, :]  # [BT, BT]
-        mb = m * beta[None, :]  # [BT, BT]
-        fq = rq * eg  # [BT]
-        for c in range(0, BK, KC):
-            dc = c + tl.arange(0, KC)  # [KC]
-            cm = tm[:, None] & (dc < DK)[None, :]
-            kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-            qp = qc * fq[:, None] - tl.dot(mk, kc, input_precision=PREC)  # [BT, KC] q'
-            tl.store(qp_ptr + (rows[:, None] * HV + hv) * BK + dc[None, :], qp, mask=tm[:, None])
-        for c in range(0, BDV, KC):
-            dc = c + tl.arange(0, KC)  # [KC]
-            vc = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dc[None, :],
-                         mask=tm[:, None] & (dc < DV)[None, :], other=0.0).to(tl.float32)  # [BT, KC]
-            tl.store(y_ptr + (rows[:, None] * HV + hv) * BDV + dc[None, :],
-                     tl.dot(mb, vc, input_precision=PREC), mask=tm[:, None])  # [BT, KC] y
+    if n > 16:
+        if MAX_BT > 16:
+            _prep_block(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qp_ptr, y_ptr, scale, bos, n, hk, hv,
+                        s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
+                        HV, DK, DV, MAX_BT, BK, BDV, KC, L2NORM, PREC)
+    elif n > 0:
+        _prep_block(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qp_ptr, y_ptr, scale, bos, n, hk, hv,
+                    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
+                    HV, DK, DV, 16, BK, BDV, KC, L2NORM, PREC)
 
 
 @triton.jit
@@ -176,12 +201,34 @@ def _token_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row, hk, hv, dk, dv
 
 
 @triton.jit
+def _out_block(S, qp_ptr, y_ptr, o_ptr, bos, n, hv, dk, dv, s_on, s_oh,
+               HV: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+               PREC: tl.constexpr, TRANS: tl.constexpr):
+    """o = q' S + y for n <= BT tokens from row bos, value head hv, the tile's columns dv."""
+    t = tl.arange(0, BT)  # [BT]
+    tm = t < n
+    rows = bos + t  # [BT] int64
+    if TRANS:
+        qpt = tl.load(qp_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)
+        yt = tl.load(y_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)
+        ot = tl.dot(S, qpt, input_precision=PREC) + yt  # [BV, BT] o^T
+        tl.store(o_ptr + rows[None, :] * s_on + hv * s_oh + dv[:, None], ot.to(o_ptr.dtype.element_ty),
+                 mask=tm[None, :] & (dv < DV)[:, None])
+    else:
+        qp = tl.load(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)
+        yv = tl.load(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)
+        o = tl.dot(qp, S, input_precision=PREC) + yv  # [BT, BV]
+        tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=tm[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
 def _verify_out_kernel(
     qp_ptr, y_ptr, o_ptr, cu_ptr, state_desc, slots_ptr, wmask_ptr,
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, scale,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
+    MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     WRITE: tl.constexpr,  # 0: no state written, 2: request b's where wmask[b] (walked token by token here)
     L2NORM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
@@ -212,22 +259,12 @@ def _verify_out_kernel(
                                 s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
                                 DK, DV, L2NORM, TRANS)
             _store_state(state_desc, s_row, v0, S, TRANS)
+        elif n > 16:
+            if MAX_BT > 16:
+                _out_block(S, qp_ptr, y_ptr, o_ptr, bos, n, hv, dk, dv, s_on, s_oh, HV, DV, MAX_BT, BK, BDV, PREC,
+                           TRANS)
         else:
-            t = tl.arange(0, BT)  # [BT]
-            tm = t < n
-            rows = bos + t  # [BT] int64
-            if TRANS:
-                qpt = tl.load(qp_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)
-                yt = tl.load(y_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)
-                ot = tl.dot(S, qpt, input_precision=PREC) + yt  # [BV, BT] o^T
-                tl.store(o_ptr + rows[None, :] * s_on + hv * s_oh + dv[:, None], ot.to(o_ptr.dtype.element_ty),
-                         mask=tm[None, :] & (dv < DV)[:, None])
-            else:
-                qp = tl.load(qp_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)
-                yv = tl.load(y_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)
-                o = tl.dot(qp, S, input_precision=PREC) + yv  # [BT, BV]
-                tl.store(o_ptr + rows[:, None] * s_on + hv * s_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                         mask=tm[:, None] & (dv < DV)[None, :])
+            _out_block(S, qp_ptr, y_ptr, o_ptr, bos, n, hv, dk, dv, s_on, s_oh, HV, DV, 16, BK, BDV, PREC, TRANS)
     else:  # a request of no tokens: its programs pass the prologue too (kernels/pdl.py's ordering)
         pdl_prologue(PDL)
 
@@ -286,16 +323,19 @@ def gdn_verify_factored_triton(
     y = torch.empty(n_tok, heads_v, bdv, dtype=torch.float32, device=dev)  # [N, HV, BDV] y
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                g.stride(1), beta.stride(0), beta.stride(1))
+    few = bsz <= FACTORED_FEW
     _verify_prep_kernel[(bsz, heads_v)](
         q, k, v, g, beta, cu_seqlens, wmask, qp, y, scale, *strides,
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, KC=min(kc or FACTORED_KC, bk, bdv),
-        WRITE=write, L2NORM=use_qk_l2norm, PREC=precision or FACTORED_PREP_PRECISION, num_warps=prep_warps or FACTORED_PREP_WARPS[bt],
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv,
+        KC=min(kc or (FACTORED_KC_FEW if few else FACTORED_KC), bk, bdv),
+        WRITE=write, L2NORM=use_qk_l2norm, PREC=precision or FACTORED_PREP_PRECISION,
+        num_warps=prep_warps or (FACTORED_PREP_WARPS_FEW if few else FACTORED_PREP_WARPS),
         **pdl_args(dev),
     )
     desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
     _verify_out_kernel[(bsz, heads_v, dim_v // bv)](
         qp, y, o, cu_seqlens, desc, slots, wmask, q, k, v, g, beta, scale, *strides, o.stride(0), o.stride(1),
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, BT=bt, BK=bk, BDV=bdv, BV=bv, WRITE=write,
+        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv, BV=bv, WRITE=write,
         L2NORM=use_qk_l2norm, PREC=precision_out or DOT_PRECISION_OUT, TRANS=trans,
         num_warps=num_warps or FACTORED_WARPS,
         **pdl_args(dev),

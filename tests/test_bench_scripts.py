@@ -117,8 +117,8 @@ def test_gdn_verify2_tiny_checks_every_variant(tmp_path):
     run_script("gdn_verify2.py", "--out", str(tmp_path))
     report = json.loads((tmp_path / "gdn_verify2.json").read_text())
     from bench.gdn_verify2 import FACTORED
-    assert report["errors"] == [] and set(report["checks"]) == {"block", "seq", *FACTORED, "seq mask",
-                                                                 f"{next(iter(FACTORED))} mask"}
+    assert report["errors"] == [] and set(report["checks"]) == {"block", "seq", "f default @17", *FACTORED,
+                                                                 "seq mask", f"{next(iter(FACTORED))} mask"}
     for name, check in report["checks"].items():  # bf16 inputs and outputs: one rounding of o
         assert check["o_err"] < 1e-2 and check["state_untouched"], name
         assert check.get("state_err", 0.0) < 1e-5, name  # the masked call's written states (fp32)

@@ -285,8 +285,10 @@ def case_dispatch():
     errs["gdn_factored_via_auto/o"] = _rel(o_ref["triton"], o_ref["ref"])
     mask = torch.tensor([True, False, True])
     expected = {(1, 1, False): "seq", (1, 8, False): "factored", (3, 16, False): "factored", (3, 4, False): "seq",
-                (4, 8, mask): "seq", (8, 8, mask): "factored", (3, 17, mask): "factored", (3, 16, True): "seq",
-                (1, 100, True): "block"}
+                (4, 8, mask): "factored", (4, 7, mask): "seq", (8, 6, mask): "factored", (16, 4, mask): "factored",
+                (16, 3, mask): "seq", (3, 17, mask): "factored", (3, 16, True): "seq", (1, 100, True): "block",
+                # a captured graph: max_len is its bucket's largest block, the mean block decides
+                (16, 17, mask, 16 * 3): "seq", (16, 17, mask, 16 * 4): "factored", (2, 17, mask, 2 * 7): "seq"}
     errs["auto_policy"] = float(sum(_auto_impl(*key) != impl for key, impl in expected.items()))
     errs["ref_mode_uses_reference"] = 0.0 if dispatch.use_triton(v) is False else 1.0  # env is "ref" now
     return errs
@@ -362,18 +364,21 @@ _FACTORED_TYPES = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "b_ptr", "
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for sm_90: not under the interpreter")
-@pytest.mark.parametrize("bt,write,trans", [(16, 2, True), (32, 0, True), (32, 2, False), (16, 0, False)])
-def test_factored_kernels_compile_for_sm90_without_spills(bt, write, trans):
+@pytest.mark.parametrize("bt,write,trans,few", [(16, 2, True, False), (32, 0, True, True), (32, 2, False, False),
+                                               (32, 2, False, True), (16, 0, False, True)])
+def test_factored_kernels_compile_for_sm90_without_spills(bt, write, trans, few):
     """What the interpreter cannot see: both launches of the factored verification compile for the H200 at the
-    35B-A3B head shapes with their default tiles and warps (a variable typed differently in the two branches of
-    phase 2 failed there once, not under the interpreter), and ptxas spills no register."""
+    35B-A3B head shapes with their default tiles and warps, phase 1's two configurations (many requests, few) (a
+    variable typed differently
+    in the two branches of phase 2 failed there once, not under the interpreter), and ptxas spills no register."""
     from sm90 import compile_sm90, ptxas_usage
 
     import kernels.gdn_verify_triton as fv
 
-    shapes = dict(HV=32, HK=16, DK=128, DV=128, BT=bt, BK=128, BDV=128, WRITE=write, L2NORM=True, PDL=True)
-    prep = compile_sm90(fv._verify_prep_kernel, {**shapes, "KC": fv.FACTORED_KC, "PREC": fv.FACTORED_PREP_PRECISION},
-                        _FACTORED_TYPES, num_warps=fv.FACTORED_PREP_WARPS[bt])
+    shapes = dict(HV=32, HK=16, DK=128, DV=128, MAX_BT=bt, BK=128, BDV=128, WRITE=write, L2NORM=True, PDL=True)
+    kc, warps = (fv.FACTORED_KC_FEW, fv.FACTORED_PREP_WARPS_FEW) if few else (fv.FACTORED_KC, fv.FACTORED_PREP_WARPS)
+    prep = compile_sm90(fv._verify_prep_kernel, {**shapes, "KC": kc, "PREC": fv.FACTORED_PREP_PRECISION},
+                        _FACTORED_TYPES, num_warps=warps)
     out = compile_sm90(fv._verify_out_kernel, {**shapes, "BV": fv.FACTORED_BV, "PREC": "tf32", "TRANS": trans},
                        {**_FACTORED_TYPES, "state_desc": f"tensordesc<fp32[128, {fv.FACTORED_BV}]>"},
                        num_warps=fv.FACTORED_WARPS)
