@@ -444,10 +444,10 @@ def _verify_override() -> str:
 
 def _factored_from(bsz: int) -> int:
     """Tokens a request from which the factored kernel beats the sequential one (bench/gdn_verify2.py, H200,
-    2026-12-02, 80ce65b, us seq / factored): B=1 T=4 5.9 / 8.0, T=8 9.4 / 9.2; B=4 T=4 8.7 / 11.9, T=8 12.9 / 12.6;
-    B=8 T=4 13.9 / 15.1, T=8 20.1 / 16.7; B=16 T=4 25.4 / 23.1; B=32 T=4 46.8 / 37.5; B=64 T=4 89.4 / 68.1. At T=16
-    it is 0.36-0.73x the sequential kernel's time, at T=17 0.66-0.98x."""
-    return 8 if bsz <= 4 else 6 if bsz <= 8 else 4
+    2026-12-02, cd1b132, as a captured graph calls it, us seq / factored): B=1 T=4 5.9 / 5.0; B=4 T=4 8.6 / 10.7,
+    T=8 12.9 / 11.3; B=8 T=4 13.8 / 14.2, T=8 20.0 / 15.2; B=16 T=4 25.4 / 22.3; B=32 T=4 46.8 / 41.5; B=64 T=4
+    88.8 / 70.5. At T=16 it takes 0.37-0.60x the sequential kernel's time, at T=17 0.53-0.99x."""
+    return 4 if bsz == 1 or bsz >= 16 else 6
 
 
 def _auto_impl(bsz: int, max_len: int, write_state, n_tokens: int | None = None) -> str:
