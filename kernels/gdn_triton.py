@@ -392,6 +392,12 @@ def _rowmajor(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _state_desc(state: Tensor, bk: int, bv: int) -> TensorDescriptor:
+    """The TMA descriptor of a state pool [S, HV, DK, DV] viewed as [S*HV*DK, DV], in [bk, bv] tiles."""
+    num, heads_v, dim_k, dim_v = state.shape
+    return TensorDescriptor(state, [num * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
+
+
 def _write_mode(write_state: bool | Tensor, dummy: Tensor) -> tuple[int, Tensor]:
     if isinstance(write_state, Tensor):
         return 2, write_state.to(torch.bool).view(torch.uint8)  # [B]
@@ -417,7 +423,7 @@ def _launch(q, k, v, g, beta, o, cu_seqlens, state, slots, *, scale, use_qk_l2no
     if bsz == 0:
         return
     assert state.is_contiguous() and state.dtype == torch.float32 and dim_k == bk and dim_v % bv == 0
-    desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
+    desc = _state_desc(state, bk, bv)
     _gdn_fwd_kernel[grid](
         q, k, v, g, beta, o_, cu_seqlens, desc, slots, wmask, keep, pk, pv, pg, pb, pstart, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
@@ -437,7 +443,7 @@ VERIFY_IMPLS = ("auto", "block", "seq", "factored")
 
 def _verify_override() -> str:
     """HYBRIDSPEC_GDN_VERIFY (read at each call, for A/B runs): "auto" (the default: _auto_impl's table) or one
-    kernel for every verification without a state write ("block", "seq", "factored")."""
+    kernel for every verification call, without a state write or with a write mask ("block", "seq", "factored")."""
     impl = os.environ.get("HYBRIDSPEC_GDN_VERIFY", "auto")
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"HYBRIDSPEC_GDN_VERIFY must be one of {VERIFY_IMPLS}, got {impl!r}")
@@ -452,6 +458,12 @@ def _factored_from(bsz: int) -> int:
     return 4 if bsz == 1 or bsz >= 16 else 6
 
 
+def _factored_fits(dim_k: int, dim_v: int) -> bool:
+    """Head dims the factored kernel takes: the key dim a power of two (its tiles hold it whole), the value dim a
+    multiple of 16 (its value tile is the largest power of two up to 128 dividing it)."""
+    return dim_k >= 16 and dim_k == triton.next_power_of_2(dim_k) and dim_v % 16 == 0
+
+
 def _auto_impl(bsz: int, max_len: int, write_state, n_tokens: int | None = None) -> str:
     """The kernel for a call of up to 32 tokens a request. Verification (no state written, or a [B] mask: the
     engine's verification steps write the states of the requests that decode without drafts) takes the factored
@@ -462,7 +474,7 @@ def _auto_impl(bsz: int, max_len: int, write_state, n_tokens: int | None = None)
     masked calls took the sequential kernel every time."""
     if max_len > 32:
         return "block"  # prefill in blocks of CHUNK_BT (reached with HYBRIDSPEC_GDN_PREFILL=block or a large DK)
-    if write_state is True:
+    if write_state is not False and not isinstance(write_state, Tensor):  # every state written
         return "seq"
     override = _verify_override()
     if override != "auto":
@@ -520,8 +532,8 @@ def gdn_triton(
     use_qk_l2norm: bool = True,
     write_state: bool | Tensor = True,
     *,
-    impl: str = "auto",  # "block" (WY form), "seq" (one token at a time), "factored" (verification without a
-    # state write in two launches, kernels/gdn_verify_triton.py), "two_phase" (prefill, kernels/
+    impl: str = "auto",  # "block" (WY form), "seq" (one token at a time), "factored" (verification, no state
+    # write or a write mask, in two launches, kernels/gdn_verify_triton.py), "two_phase" (prefill, kernels/
     # gdn_chunk_triton.py) or "auto" (_auto_impl, measured; prefill: PREFILL_IMPL / HYBRIDSPEC_GDN_PREFILL)
     bt: int | None = None,
     bv: int | None = None,
@@ -539,19 +551,21 @@ def gdn_triton(
         opts = dict(bt=bt, bv=bv, num_warps=num_warps, precision=precision, precision_out=precision_out)
         return gdn_chunk2_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale, use_qk_l2norm,
                                  write_state, **{key: val for key, val in opts.items() if val is not None})
-    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
-    scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [N, HV, DV] contiguous (as in every step)
-    write, wmask = _write_mode(write_state, slots)
     bsz = slots.shape[0]
     if impl == "auto":
         impl = _auto_impl(bsz, max_len, write_state, k.shape[0])
+        if impl == "factored" and not _factored_fits(k.shape[-1], v.shape[-1]):
+            impl = "seq"
     if impl == "factored":
         from kernels.gdn_verify_triton import gdn_verify_factored_triton
         opts = dict(bv=bv, num_warps=num_warps, precision=precision, precision_out=precision_out, trans=trans)
         return gdn_verify_factored_triton(q, k, v, g, beta, cu_seqlens, state, slots, max_len, scale,
                                           use_qk_l2norm, write_state,
                                           **{key: val for key, val in opts.items() if val is not None})
+    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    scale = float(scale) if scale is not None else k.shape[-1] ** -0.5
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [N, HV, DV] contiguous (as in every step)
+    write, wmask = _write_mode(write_state, slots)
     if impl == "seq":
         heads_k, dim_k = k.shape[1], k.shape[2]
         heads_v, dim_v = v.shape[1], v.shape[2]
@@ -560,7 +574,7 @@ def gdn_triton(
         grid = (slots.shape[0], heads_v, triton.cdiv(dim_v, bvv))
         if slots.shape[0]:
             assert state.is_contiguous() and state.dtype == torch.float32 and dim_k == bk and dim_v % bvv == 0
-            desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bvv])
+            desc = _state_desc(state, bk, bvv)
             _gdn_seq_kernel[grid](
                 q, k, v, g, beta, o, cu_seqlens, desc, slots, wmask, scale,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
@@ -642,8 +656,8 @@ def gdn_commit_triton(
     one pass over each state tile (kernels/gdn_verify_triton.py gdn_commit_factored_triton)."""
     if impl is None:
         impl = _commit_impl()
-        if impl == "factored" and max_len > 32:
-            impl = "seq"  # the factored commit takes blocks of at most 32 tokens
+        if impl == "factored" and (max_len > 32 or not _factored_fits(k.shape[-1], v.shape[-1])):
+            impl = "seq"  # the factored commit takes blocks of at most 32 tokens and _factored_fits' head dims
     k, v = _rowmajor(k), _rowmajor(v)
     if impl == "factored":
         from kernels.gdn_verify_triton import gdn_commit_factored_triton
@@ -662,7 +676,7 @@ def gdn_commit_triton(
             return
         assert state.is_contiguous() and state.dtype == torch.float32 and dim_k == bk and dim_v % bvv == 0
         assert heads_v % heads_k == 0 and state.shape[1:] == (heads_v, dim_k, dim_v)
-        desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bvv])
+        desc = _state_desc(state, bk, bvv)
         _gdn_seq_commit_kernel[(slots.shape[0], heads_v, triton.cdiv(dim_v, bvv))](
             k, v, g, beta, cu_seqlens, keep_lens, desc, slots,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),

@@ -51,9 +51,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.gdn_triton import DOT_PRECISION, DOT_PRECISION_OUT, _load_state, _rowmajor, _store_state, _write_mode
+from kernels.gdn_triton import (DOT_PRECISION, DOT_PRECISION_OUT, _load_state, _rowmajor, _seq_token, _state_desc,
+                                _store_state, _write_mode)
 from kernels.pdl import pdl_args, pdl_prologue
 
 # Defaults from bench/gdn_verify2.py on the H200 (bench/NOTES.md, 2026-12-02: 80ce65b's sweep; us at B x T = 32x16 /
@@ -203,27 +203,28 @@ def _verify_prep_kernel(
 def _token_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row, hk, hv, dk, dv, scale,
                 s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
                 DK: tl.constexpr, DV: tl.constexpr, L2NORM: tl.constexpr, TRANS: tl.constexpr):
-    """One token of the delta rule on the state tile (S [BK, BV], or S^T [BV, BK] with TRANS), fp32 FMA as
-    kernels/gdn_triton.py's sequential kernel; stores the token's o [BV]. Returns the new tile."""
+    """One token of the delta rule on the state tile (S [BK, BV]: kernels/gdn_triton.py's _seq_token; or S^T
+    [BV, BK] with TRANS), fp32 FMA as the sequential kernel; stores the token's o [BV]. Returns the new tile."""
     kmask = dk < DK
     vmask = dv < DV
-    k = tl.load(k_ptr + row * s_kn + hk * s_kh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
     q = tl.load(q_ptr + row * s_qn + hk * s_qh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
-    v = tl.load(v_ptr + row * s_vn + hv * s_vh + dv, mask=vmask, other=0.0).to(tl.float32)  # [BV]
-    g = tl.load(g_ptr + row * s_gn + hv * s_gh).to(tl.float32)
-    beta = tl.load(b_ptr + row * s_bn + hv * s_bh).to(tl.float32)
     if L2NORM:
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
     q = q * scale
-    S = S * tl.exp(g)
     if TRANS:
+        k = tl.load(k_ptr + row * s_kn + hk * s_kh + dk, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+        v = tl.load(v_ptr + row * s_vn + hv * s_vh + dv, mask=vmask, other=0.0).to(tl.float32)  # [BV]
+        g = tl.load(g_ptr + row * s_gn + hv * s_gh).to(tl.float32)
+        beta = tl.load(b_ptr + row * s_bn + hv * s_bh).to(tl.float32)
+        if L2NORM:
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        S = S * tl.exp(g)
         delta = (v - tl.sum(S * k[None, :], axis=1)) * beta  # [BV]
         S = S + delta[:, None] * k[None, :]
         o = tl.sum(S * q[None, :], axis=1)  # [BV]
     else:
-        delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BV]
-        S = S + k[:, None] * delta[None, :]
+        S = _seq_token(S, k_ptr, v_ptr, g_ptr, b_ptr, row, hk, hv, dk, dv, kmask, vmask,
+                       s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, L2NORM)
         o = tl.sum(S * q[:, None], axis=0)  # [BV]
     tl.store(o_ptr + row * s_on + hv * s_oh + dv, o.to(o_ptr.dtype.element_ty), mask=vmask)
     return S
@@ -298,6 +299,15 @@ def _verify_out_kernel(
         pdl_prologue(PDL)
 
 
+def _value_tile(dim_v: int, widest: int) -> int:
+    """The largest power of two up to `widest` dividing the value head dim (kernels/gdn_triton.py _factored_fits:
+    a multiple of 16)."""
+    bv = widest
+    while bv > 16 and dim_v % bv:
+        bv //= 2
+    return bv
+
+
 def gdn_verify_factored_triton(
     q: Tensor,  # [N, HK, DK]
     k: Tensor,  # [N, HK, DK]
@@ -340,11 +350,13 @@ def gdn_verify_factored_triton(
     bsz = slots.shape[0]
     if bsz == 0 or n_tok == 0 or max_len == 0:
         return o
-    write, wmask = _write_mode(write_state, slots)  # 0 or 2 here
+    write, wmask = _write_mode(write_state, slots)
+    if write == 1:  # (a truthy value other than True)
+        raise ValueError(f"gdn_verify_factored_triton: write_state must be False or a [B] mask, got {write_state!r}")
     bt = MAX_BT  # each request's block is 16 or 32 wide on the device; one compile for every max_len
     bk = max(16, triton.next_power_of_2(dim_k))
     bdv = max(16, triton.next_power_of_2(dim_v))
-    bv = min(bv or FACTORED_BV, bdv)
+    bv = min(bv, bdv) if bv else _value_tile(dim_v, FACTORED_BV)
     assert state.is_contiguous() and dim_k == bk and dim_v % bv == 0, "DK a power of two >= 16, BV dividing DV"
     trans = FACTORED_TRANS if trans is None else trans
     dev = v.device
@@ -361,7 +373,7 @@ def gdn_verify_factored_triton(
         num_warps=prep_warps or (FACTORED_PREP_WARPS_FEW if few else FACTORED_PREP_WARPS),
         **pdl_args(dev),
     )
-    desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
+    desc = _state_desc(state, bk, bv)
     _verify_out_kernel[(bsz, heads_v, dim_v // bv)](
         qp, y, o, cu_seqlens, desc, slots, wmask, q, k, v, g, beta, scale, *strides, o.stride(0), o.stride(1),
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv, BV=bv, WRITE=write,
@@ -534,7 +546,7 @@ def gdn_commit_factored_triton(
     bt = MAX_BT  # each request's block is 16 or 32 wide on the device; one compile for every max_len
     bk = max(16, triton.next_power_of_2(dim_k))
     bdv = max(16, triton.next_power_of_2(dim_v))
-    bv = min(bv or FACTORED_COMMIT_BV, bdv)
+    bv = min(bv, bdv) if bv else _value_tile(dim_v, FACTORED_COMMIT_BV)
     assert state.is_contiguous() and dim_k == bk and dim_v % bv == 0, "DK a power of two >= 16, BV dividing DV"
     dev, prec = v.device, precision or DOT_PRECISION
     w = torch.empty(n_tok, heads_v, bk, dtype=torch.float32, device=dev)  # [N, HV, BK] W
@@ -547,7 +559,7 @@ def gdn_commit_factored_triton(
         num_warps=prep_warps or FACTORED_PREP_WARPS,
         **pdl_args(dev),
     )
-    desc = TensorDescriptor(state, [state.shape[0] * heads_v * dim_k, dim_v], [dim_v, 1], [bk, bv])
+    desc = _state_desc(state, bk, bv)
     _commit_out_kernel[(bsz, heads_v, dim_v // bv)](
         w, u, k, g, cu_seqlens, keep_lens, desc, slots, k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         HV=heads_v, HK=heads_k, DK=dim_k, MAX_BT=bt, BK=bk, BDV=bdv, BV=bv, L2NORM=use_qk_l2norm, PREC=prec,

@@ -98,10 +98,12 @@ def case_verify_factored():
     from kernels.gdn_verify_triton import gdn_verify_factored_triton
 
     errs = {}
-    for name, lens, kw in (("ragged", [1, 3, 17], {}), ("idle", [3, 0, 16], {}), ("block32", [32, 20, 17], {}),
-                           ("noscale_nonorm", [2, 5, 9], dict(scale=0.3, use_qk_l2norm=False))):
+    for name, lens, kw, dims in (("ragged", [1, 3, 17], {}, {}), ("idle", [3, 0, 16], {}, {}),
+                                 ("block32", [32, 20, 17], {}, {}),
+                                 ("noscale_nonorm", [2, 5, 9], dict(scale=0.3, use_qk_l2norm=False), {}),
+                                 ("dk64_pieces", [3, 17, 9], {}, dict(dk=64))):  # phase 1 in two key pieces
         for trans, bv in ((True, 16), (False, 16), (True, 32)):
-            q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=12)
+            q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=12, **dims)
             s_tri = state.clone()
             o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, state.clone(), slots, max(lens), write_state=False,
                                       **kw)
@@ -110,14 +112,18 @@ def case_verify_factored():
             errs[f"{name}/trans{int(trans)}/bv{bv}/o"] = _rel(o_tri, o_ref)
             errs[f"{name}/trans{int(trans)}/bv{bv}/pool_untouched"] = float(not torch.equal(s_tri, state))
     # a write mask (the engine's verification steps: requests decoding without drafts advance their states here)
-    for name, lens, mask in (("mask", [1, 3, 17], [True, False, True]), ("mask_decode", [1, 16, 1], [True, False, True]),
-                             ("mask_idle", [2, 0, 5], [False, True, True])):
+    for name, lens, mask, kw in (("mask", [1, 3, 17], [True, False, True], {}),
+                                 ("mask_decode", [1, 16, 1], [True, False, True], {}),
+                                 ("mask_idle", [2, 0, 5], [False, True, True], {}),
+                                 ("mask_wide_kept", [17, 3, 20], [False, True, False], {}),
+                                 ("mask_nonorm", [2, 5, 9], [True, False, True],
+                                  dict(scale=0.3, use_qk_l2norm=False))):
         for trans in (True, False):
             q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=14)
             s_ref, s_tri, m = state.clone(), state.clone(), torch.tensor(mask)
-            o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, s_ref, slots, max(lens), write_state=m)
+            o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, s_ref, slots, max(lens), write_state=m, **kw)
             o_tri = gdn_verify_factored_triton(q, k, v, g, beta, cu, s_tri, slots, max(lens), write_state=m,
-                                               trans=trans, bv=16)
+                                               trans=trans, bv=16, **kw)
             errs[f"{name}/trans{int(trans)}/o"] = _rel(o_tri, o_ref)
             errs[f"{name}/trans{int(trans)}/state"] = _rel(s_tri, s_ref)
             written = [sl for sl, w, n in zip(slots.tolist(), mask, lens) if w and n]
@@ -136,14 +142,24 @@ def case_verify_factored():
         errs["env_keeps_writes_seq"] = float(_auto_impl(3, 17, True) != "seq")
     finally:
         del os.environ["HYBRIDSPEC_GDN_VERIFY"]
-    for bad, kw in (("write_state", dict(write_state=True)), ("max_len", dict(max_len=33))):  # names the argument
+    # auto: a value head dim that no power-of-two tile of 32+ divides takes a 16-wide tile; a truthy write_state
+    # other than True writes every state (the sequential kernel)
+    for name, dims, ws in (("dv48", dict(dv=48), torch.tensor([True, False, True])), ("write_1", {}, 1)):
+        q2, k2, v2, g2, b2, cu2, st2, sl2 = _gdn_inputs([8, 8, 8], seed=16, **dims)
+        s_ref, s_tri = st2.clone(), st2.clone()
+        o_ref = gdn_recurrent_ref(q2, k2, v2, g2, b2, cu2, s_ref, sl2, 8,
+                                  write_state=ws if isinstance(ws, torch.Tensor) else bool(ws))
+        o_tri = gdn_triton(q2, k2, v2, g2, b2, cu2, s_tri, sl2, 8, write_state=ws)
+        errs[f"auto_{name}/o"], errs[f"auto_{name}/state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
+    for bad, kw in (("write_state", dict(write_state=True)), ("write_state", dict(write_state=1)),
+                    ("max_len", dict(max_len=33))):  # names the argument
         try:
             args = {**dict(max_len=17, write_state=False), **kw}
             gdn_verify_factored_triton(q, k, v, g, beta, cu, state.clone(), slots, args["max_len"],
                                        write_state=args["write_state"])
-            errs[f"refuses_{bad}"] = 1.0
+            errs[f"refuses_{bad}={kw[bad]}"] = 1.0
         except ValueError as exc:
-            errs[f"refuses_{bad}"] = float(bad not in str(exc))
+            errs[f"refuses_{bad}={kw[bad]}"] = float(bad not in str(exc))
     return errs
 
 
@@ -177,9 +193,11 @@ def case_commit():
                 s_wide = state.clone()
                 gdn_commit_triton(k, v, g, beta, cu, keep_t, s_wide, slots, 17, bv=32, num_warps=2)
                 errs[f"seq_wide/keep{keep}/state"] = _rel(s_wide, s_ref)
-    for name, lens, keep, kw in (("nonorm", [2, 5, 9], [2, 5, 9], dict(use_qk_l2norm=False)),
-                                 ("block32", [32, 20, 17], [32, 1, 17], {}), ("idle", [16, 0, 4], [16, 0, 4], {})):
-        q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=15)
+    for name, lens, keep, kw, dims in (("nonorm", [2, 5, 9], [2, 5, 9], dict(use_qk_l2norm=False), {}),
+                                       ("block32", [32, 20, 17], [32, 1, 17], {}, {}),
+                                       ("idle", [16, 0, 4], [16, 0, 4], {}, {}),
+                                       ("dk64_pieces", [3, 17, 9], [2, 17, 0], {}, dict(dk=64))):
+        q, k, v, g, beta, cu, state, slots = _gdn_inputs(lens, seed=15, **dims)
         s_ref, s_tri, keep_t = state.clone(), state.clone(), torch.tensor(keep)
         gdn_commit_ref(k, v, g, beta, cu, keep_t, s_ref, slots, max(lens), **kw)
         gdn_commit_triton(k, v, g, beta, cu, keep_t, s_tri, slots, max(lens), impl="factored", bv=16, **kw)
@@ -403,7 +421,7 @@ def test_factored_kernels_compile_for_sm90_without_spills(write, trans, few):
                        num_warps=fv.FACTORED_WARPS)
     for name, compiled in (("prep", prep), ("out", out)):
         regs, spill = ptxas_usage(compiled)
-        assert spill == 0 and regs <= 255, (name, regs, spill)
+        assert spill == 0, (name, regs, spill)  # (ptxas caps registers at 255: spills are what shows)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for sm_90: not under the interpreter")
@@ -423,4 +441,4 @@ def test_factored_commit_compiles_for_sm90_without_spills():
                        num_warps=fv.FACTORED_COMMIT_WARPS)
     for name, compiled in (("prep", prep), ("out", out)):
         regs, spill = ptxas_usage(compiled)
-        assert spill == 0 and regs <= 255, (name, regs, spill)
+        assert spill == 0, (name, regs, spill)  # (ptxas caps registers at 255: spills are what shows)
