@@ -1,10 +1,7 @@
-"""The GDN commit at the bench model's shapes, sequential vs block vs factored kernel (issue 6), one command on the
-H200:
-    PYTHONPATH=. python bench/gdn_commit.py --out $OUT [--impls seq,block,factored] [--sweep]
+"""The GDN commit at the bench model's shapes, sequential vs block kernel (issue 6), one command on the H200:
+    PYTHONPATH=. python bench/gdn_commit.py --out $OUT
 A verification step commits each request's accepted drafts + 1 of its block (T = 17 at cap 16). The block (WY)
-kernel works over the whole block whatever is kept; the sequential kernel over the kept tokens only; the factored
-kernel (kernels/gdn_verify_triton.py) transforms the kept tokens per (request, head), then makes one pass over each
-state tile (two launches). Checks each
+kernel works over the whole block whatever is kept; the sequential kernel over the kept tokens only. Checks both
 against gdn_commit_ref (fp32 state, bf16 inputs) and times them in CUDA graphs (30 launches per graph: the 30 GDN
 layers of a step) at B in {1, 16, 64}, T = 17 and kept tokens all 1 / geometric (acceptance 0.5, 0.85) / all 17.
 Writes `$OUT/gdn_commit.json` and prints a table (us per launch, and per step of 30 layers in ms).
@@ -30,7 +27,6 @@ HK, HV, DK, DV = 16, 32, 128, 128
 LAYERS = 30  # GDN layers of the 40-layer bench model
 STATE_BYTES = HV * DK * DV * 4
 SWEEP = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))  # (bv, num_warps) of the sequential commit
-FACTORED_SWEEP = ((64, 4, True), (128, 8, True), (64, 4, False))  # (bv, num_warps, trans) of the factored one
 
 
 def inputs(lens, device, seed):
@@ -86,11 +82,8 @@ def time_graph(fn, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sweep", action="store_true", help="also time the sequential kernel's (bv, warps) configs and "
-                    "the factored kernel's (bv, warps, trans)")
-    ap.add_argument("--impls", default="seq,block,factored")
+    ap.add_argument("--sweep", action="store_true", help="also time the sequential kernel's (bv, warps) configs")
     args = ap.parse_args()
-    impls = args.impls.split(",")
     from kernels.gdn_triton import gdn_commit_triton
 
     dev, t = "cuda", 17
@@ -107,22 +100,14 @@ def main() -> None:
             gdn_commit_ref(k, v, g, beta, cu, keep, ref, slots, t)
             row = {"B": b, "T": t, "keep": kind, "mean_keep": keep.float().mean().item(),
                    "floor_us": 2 * b * STATE_BYTES / 4.3e12 * 1e6}
-            for impl in impls:
+            for impl in ("seq", "block"):
                 out = pool.clone()
                 gdn_commit_triton(k, v, g, beta, cu, keep, out, slots, t, impl=impl)
                 err = float((out - ref).norm() / ref[slots].norm())  # the whole pool: no stray writes
                 checks[f"B{b}/keep{kind}/{impl}"] = err
                 work = pool.clone()
                 row[impl] = time_graph(lambda: gdn_commit_triton(k, v, g, beta, cu, keep, work, slots, t, impl=impl))
-            if args.sweep and b > 1 and "factored" in impls:  # the factored kernel's phase 2 tiles
-                for bv, warps, trans in FACTORED_SWEEP:
-                    key = f"factored_bv{bv}_w{warps}_{'t' if trans else 'n'}"
-                    out = pool.clone()
-                    opts = dict(impl="factored", bv=bv, num_warps=warps, trans=trans)
-                    gdn_commit_triton(k, v, g, beta, cu, keep, out, slots, t, **opts)
-                    checks[f"B{b}/keep{kind}/{key}"] = float((out - ref).norm() / ref[slots].norm())
-                    row[key] = time_graph(lambda: gdn_commit_triton(k, v, g, beta, cu, keep, out, slots, t, **opts))
-            if args.sweep and b > 1 and "seq" in impls:  # the sequential kernel's tile width and warps
+            if args.sweep and b > 1:  # the sequential kernel's tile width and warps
                 for bv, warps in SWEEP:
                     out = pool.clone()
                     gdn_commit_triton(k, v, g, beta, cu, keep, out, slots, t, bv=bv, num_warps=warps)
@@ -131,11 +116,10 @@ def main() -> None:
                     row[f"seq_bv{bv}_w{warps}"] = time_graph(lambda: gdn_commit_triton(
                         k, v, g, beta, cu, keep, out, slots, t, bv=bv, num_warps=warps))
             rows.append(row)
-            print(f"B={b:3d} keep={kind:>4} (mean {row['mean_keep']:5.2f}): floor {row['floor_us']:6.1f} us; " +
-                  ", ".join(f"{impl} {row[impl]:7.1f} us ({row[impl] * LAYERS / 1e3:.2f} ms a step of {LAYERS} "
-                            f"layers)" for impl in impls) +
-                  "".join(f"; {key} {val:.1f}" for key, val in row.items() if key.startswith(("seq_bv", "factored_"))),
-                  flush=True)
+            print(f"B={b:3d} keep={kind:>4} (mean {row['mean_keep']:5.2f}): seq {row['seq']:7.1f} us, block "
+                  f"{row['block']:7.1f} us, floor {row['floor_us']:6.1f} us; a step of {LAYERS} layers: seq "
+                  f"{row['seq'] * LAYERS / 1e3:.2f} ms, block {row['block'] * LAYERS / 1e3:.2f} ms" +
+                  "".join(f"; {key} {val:.1f}" for key, val in row.items() if key.startswith("seq_bv")), flush=True)
     worst = max(checks.values())
     print(f"max relative state error vs gdn_commit_ref: {worst:.2e}", flush=True)
     out = Path(args.out)

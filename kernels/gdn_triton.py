@@ -129,6 +129,58 @@ def _block_step(S, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row0, n, hk, hv, v0
 
 
 @triton.jit
+def _ut_inverse(k_rows, q_rows, g_ptr, b_ptr, rows, n, hv, scale, s_gn, s_gh, s_bn, s_bh,
+                DK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, HAS_Q: tl.constexpr,
+                L2NORM: tl.constexpr, PK: tl.constexpr, PQ: tl.constexpr):
+    """The S-independent [BT, BT] work of a block of n <= BT tokens (rows `rows`; k_rows / q_rows: [BT, 1] row
+    pointers of the key head), shared by the block kernel and kernels/gdn_verify_triton.py. Returns rk, rq [BT] (the
+    L2 norms' reciprocals, rq scaled), P [BT, BT] (lower_incl(q k^T * D) of the normalised q, k; zeros without
+    HAS_Q), beta, gc [BT] (cumulative log decay), g_last (the block's total) and (I + A)^-1 [BT, BT]. k k^T (in PK),
+    q k^T (in PQ) and the row norms come from KC-wide column pieces of the raw q, k (the registers hold [BT, KC]
+    pieces, never a whole [BT, DK] tile: with whole tiles the factored kernel took 255 registers and spilled at
+    BT = 32; the pieces' loop stays a loop, unrolled it took 207 / 255). Rows t >= n: k, q, g, beta 0."""
+    t = tl.arange(0, BT)  # [BT]
+    tm = t < n
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    ksq = tl.zeros([BT], dtype=tl.float32)
+    qsq = tl.zeros([BT], dtype=tl.float32)
+    for c in range(0, BK, KC):
+        dc = c + tl.arange(0, KC)  # [KC]
+        cm = tm[:, None] & (dc < DK)[None, :]
+        kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+        kk += tl.dot(kc, tl.trans(kc), input_precision=PK)
+        ksq += tl.sum(kc * kc, axis=1)
+        if HAS_Q:
+            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
+            qk += tl.dot(qc, tl.trans(kc), input_precision=PQ)
+            qsq += tl.sum(qc * qc, axis=1)
+    if L2NORM:
+        rk = tl.rsqrt(ksq + 1e-6)  # [BT]
+        rq = tl.rsqrt(qsq + 1e-6) * scale
+    else:
+        rk = tl.full([BT], 1.0, tl.float32)
+        rq = tl.full([BT], 1.0, tl.float32) * scale
+    g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT] (padding: 0)
+    beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
+    gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay
+    ti = t[:, None]
+    tj = t[None, :]
+    lower_eq = tj <= ti  # [BT, BT]
+    decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
+    kk = kk * rk[:, None] * rk[None, :]  # [BT, BT] of the normalised keys
+    # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
+    y = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
+    for i in range(2, n):
+        a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT] row i of -A
+        a = a + tl.sum(a[:, None] * y, axis=0)
+        y = tl.where(ti == i, a[None, :], y)
+    inv = y + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
+    p = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT] P
+    return rk, rq, p, beta, gc, tl.sum(g, axis=0), inv
+
+
+@triton.jit
 def _block_step_t(ST, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row0, n, hk, hv, v0, scale,
                   s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, s_on, s_oh,
                   DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -146,54 +198,18 @@ def _block_step_t(ST, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, row0, n, hk, hv,
     rows = (row0 + t).to(tl.int64)  # [BT]
     k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
     q_rows = q_ptr + rows[:, None] * s_qn + hk * s_qh  # [BT, 1]
-    # S-independent [BT, BT] products from raw q, k (normalised afterwards)
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    ksq = tl.zeros([BT], dtype=tl.float32)
-    qsq = tl.zeros([BT], dtype=tl.float32)
-    for c in range(0, BK, KC):
-        dc = c + tl.arange(0, KC)  # [KC]
-        cm = tm[:, None] & (dc < DK)[None, :]
-        kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-        kk += tl.dot(kc, tl.trans(kc), input_precision=PS)
-        ksq += tl.sum(kc * kc, axis=1)
-        if HAS_OUT:
-            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-            qk += tl.dot(qc, tl.trans(kc), input_precision=PO)
-            qsq += tl.sum(qc * qc, axis=1)
-    if L2NORM:
-        rk = tl.rsqrt(ksq + 1e-6)  # [BT]
-        rq = tl.rsqrt(qsq + 1e-6) * scale
-    else:
-        rk = tl.full([BT], 1.0, tl.float32)
-        rq = tl.full([BT], 1.0, tl.float32) * scale
-    kk = kk * rk[:, None] * rk[None, :]
-
+    rk, rq, p, beta, gc, g_last, inv = _ut_inverse(k_rows, q_rows, g_ptr, b_ptr, rows, n, hv, scale,
+                                                   s_gn, s_gh, s_bn, s_bh, DK, BT, BK, KC, HAS_OUT, L2NORM, PS, PO)
+    inv_t = tl.trans(inv)  # [BT, BT] ((I + A)^-1)^T
     vt = tl.load(v_ptr + rows[None, :] * s_vn + hv * s_vh + dv[:, None],
                  mask=tm[None, :] & (dv < DV)[:, None], other=0.0).to(tl.float32)  # [BV, BT]
-    g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT]
-    beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
-    gc = tl.cumsum(g, axis=0)  # [BT]
-    g_last = tl.sum(g, axis=0)
-    ti = t[:, None]
-    tj = t[None, :]
-    lower_eq = tj <= ti  # [BT, BT]
-    decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT]
-    y = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT] = -A
-    for i in range(2, n):
-        a = tl.sum(tl.where(ti == i, y, 0.0), axis=0)  # [BT]
-        a = a + tl.sum(a[:, None] * y, axis=0)
-        y = tl.where(ti == i, a[None, :], y)
-    inv_t = tl.trans(y + (ti == tj).to(tl.float32))  # [BT, BT] ((I + A)^-1)^T
-
     km = tm[:, None] & (dk < DK)[None, :]  # [BT, BK]
     k = tl.load(k_rows + dk[None, :], mask=km, other=0.0).to(tl.float32) * rk[:, None]  # [BT, BK] normalised
     rt = beta[None, :] * (vt - tl.dot(ST, tl.trans(k * tl.exp(gc)[:, None]), input_precision=PS))  # [BV, BT]
     vnt = tl.dot(rt, inv_t, input_precision=PS)  # [BV, BT] v_new^T
     if HAS_OUT:
-        qk = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT]
         q = tl.load(q_rows + dk[None, :], mask=km, other=0.0).to(tl.float32) * (rq * tl.exp(gc))[:, None]
-        ot = tl.dot(ST, tl.trans(q), input_precision=PO) + tl.dot(vnt, tl.trans(qk), input_precision=PO)
+        ot = tl.dot(ST, tl.trans(q), input_precision=PO) + tl.dot(vnt, tl.trans(p), input_precision=PO)
         tl.store(o_ptr + rows[None, :] * s_on + hv * s_oh + dv[:, None], ot.to(o_ptr.dtype.element_ty),
                  mask=tm[None, :] & (dv < DV)[:, None])  # o^T [BV, BT]
     if UPDATE:  # (UPDATE False: the state after this block is not needed)
@@ -500,20 +516,6 @@ _prefill_impl()  # a bad HYBRIDSPEC_GDN_PREFILL fails at import, not in the firs
 _verify_override()  # the same for HYBRIDSPEC_GDN_VERIFY
 
 
-COMMIT_IMPL = "seq"  # the commit's kernel (gdn_commit_triton); HYBRIDSPEC_GDN_COMMIT overrides it at each call
-COMMIT_IMPLS = ("seq", "block", "factored")
-
-
-def _commit_impl() -> str:
-    impl = os.environ.get("HYBRIDSPEC_GDN_COMMIT", COMMIT_IMPL)
-    if impl not in COMMIT_IMPLS:
-        raise ValueError(f"HYBRIDSPEC_GDN_COMMIT must be one of {COMMIT_IMPLS}, got {impl!r}")
-    return impl
-
-
-_commit_impl()  # a bad HYBRIDSPEC_GDN_COMMIT fails at import
-
-
 def _block_tokens(max_len: int) -> int:
     return 16 if max_len <= 16 else 32 if max_len <= 32 else CHUNK_BT
 
@@ -641,30 +643,18 @@ def gdn_commit_triton(
     max_len: int,
     use_qk_l2norm: bool = True,
     *,
-    impl: str | None = None,
+    impl: str = "seq",
     bv: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
     precision_out: str | None = None,
     trans: bool | None = None,
 ) -> None:
-    """gdn_commit_ref for all requests; a request with keep 0 is neither read nor written. impl (None:
-    COMMIT_IMPL, or HYBRIDSPEC_GDN_COMMIT read at each call) "seq": one launch, one token at a time, work in
-    proportion to each request's kept tokens (the engine's commits keep the accepted drafts + 1, a fraction of the
-    block); "block": the WY block kernel over the whole block of BT tokens whatever is kept (measured: bench/NOTES.md,
-    2026-11-30 second session); "factored": two launches, the kept tokens' UT transform per (request, head), then
-    one pass over each state tile (kernels/gdn_verify_triton.py gdn_commit_factored_triton)."""
-    if impl is None:
-        impl = _commit_impl()
-        if impl == "factored" and (max_len > 32 or not _factored_fits(k.shape[-1], v.shape[-1])):
-            impl = "seq"  # the factored commit takes blocks of at most 32 tokens and _factored_fits' head dims
+    """gdn_commit_ref in one launch for all requests; a request with keep 0 is neither read nor written.
+    impl "seq" (the default): one token at a time, work in proportion to each request's kept tokens (the
+    engine's commits keep the accepted drafts + 1, a fraction of the block); "block": the WY block kernel over the
+    whole block of BT tokens whatever is kept (measured: bench/NOTES.md, 2026-11-30 second session)."""
     k, v = _rowmajor(k), _rowmajor(v)
-    if impl == "factored":
-        from kernels.gdn_verify_triton import gdn_commit_factored_triton
-        opts = dict(bv=bv, num_warps=num_warps, precision=precision, trans=trans)
-        gdn_commit_factored_triton(k, v, g, beta, cu_seqlens, keep_lens, state, slots, max_len, use_qk_l2norm,
-                                   **{key: val for key, val in opts.items() if val is not None})
-        return
     if impl == "seq":
         heads_k, dim_k = k.shape[1], k.shape[2]
         heads_v, dim_v = v.shape[1], v.shape[2]
@@ -686,7 +676,7 @@ def gdn_commit_triton(
         )
         return
     if impl != "block":
-        raise ValueError(f"impl must be one of {COMMIT_IMPLS}, got {impl!r}")
+        raise ValueError(f"impl must be 'seq' or 'block', got {impl!r}")
     _launch(k, k, v, g, beta, None, cu_seqlens, state, slots, scale=1.0, use_qk_l2norm=use_qk_l2norm, write=1,
             wmask=slots, has_out=False, commit=True, keep=keep_lens, prev=None, bt=_block_tokens(max_len),
             single=max_len <= _block_tokens(max_len),

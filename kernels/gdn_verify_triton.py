@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.gdn_triton import (DOT_PRECISION, DOT_PRECISION_OUT, _load_state, _rowmajor, _seq_token, _state_desc,
-                                _store_state, _write_mode)
+from kernels.gdn_triton import (DOT_PRECISION_OUT, _load_state, _rowmajor, _seq_token, _state_desc,
+                                _store_state, _ut_inverse, _write_mode)
 from kernels.pdl import pdl_args, pdl_prologue
 
 # Defaults from bench/gdn_verify2.py on the H200 (bench/NOTES.md, 2026-12-02: 80ce65b's sweep; us at B x T = 32x16 /
@@ -74,60 +74,6 @@ FACTORED_FEW, FACTORED_KC_FEW, FACTORED_PREP_WARPS_FEW = 2, 128, 4  # phase 1 up
 # The widest block: every launch compiles both widths (16 where a request's n <= 16), whatever max_len says: a graph's
 # max_len is its bucket's largest block anyway, and one compile key fewer for eager steps (tests/test_specializations)
 MAX_BT = 32
-# the factored commit's phase 2: S^T [BV, DK] (every product with M = BV), 8 warps: 252 registers and no spill with
-# both block widths compiled in (4 warps: 255 and 256 B spill; q'-side layout: 788 B); not yet measured on the H200
-FACTORED_COMMIT_BV, FACTORED_COMMIT_WARPS, FACTORED_COMMIT_TRANS = 64, 8, True
-
-
-@triton.jit
-def _ut_inverse(k_rows, q_rows, g_ptr, b_ptr, rows, n, hv, scale, s_gn, s_gh, s_bn, s_bh,
-                DK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, HAS_Q: tl.constexpr,
-                L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """The S-independent [BT, BT] work of a block of n <= BT tokens (rows `rows`; k_rows / q_rows: [BT, 1] row
-    pointers of the key head): returns rk, rq [BT] (the L2 norms' reciprocals, rq scaled), P [BT, BT]
-    (lower_incl(q k^T * D) of the normalised q, k; zeros without HAS_Q), beta, e^gc [BT] and (I + A)^-1 [BT, BT].
-    k k^T, q k^T and the row norms come from KC-wide column pieces of the raw q, k (the registers hold [BT, KC]
-    pieces, never a whole [BT, DK] tile: 255 registers and spills at BT = 32 with whole tiles; the pieces' loops
-    stay loops, unrolled they took 207 / 255 registers). Rows t >= n: k, q, g, beta 0 (they change nothing)."""
-    t = tl.arange(0, BT)  # [BT]
-    tm = t < n
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    ksq = tl.zeros([BT], dtype=tl.float32)
-    qsq = tl.zeros([BT], dtype=tl.float32)
-    for c in range(0, BK, KC):
-        dc = c + tl.arange(0, KC)  # [KC]
-        cm = tm[:, None] & (dc < DK)[None, :]
-        kc = tl.load(k_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-        kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
-        ksq += tl.sum(kc * kc, axis=1)
-        if HAS_Q:
-            qc = tl.load(q_rows + dc[None, :], mask=cm, other=0.0).to(tl.float32)  # [BT, KC]
-            qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
-            qsq += tl.sum(qc * qc, axis=1)
-    if L2NORM:
-        rk = tl.rsqrt(ksq + 1e-6)  # [BT]
-        rq = tl.rsqrt(qsq + 1e-6) * scale
-    else:
-        rk = tl.full([BT], 1.0, tl.float32)
-        rq = tl.full([BT], 1.0, tl.float32) * scale
-    g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT] (padding: 0)
-    beta = tl.load(b_ptr + rows * s_bn + hv * s_bh, mask=tm, other=0.0).to(tl.float32)  # [BT]
-    gc = tl.cumsum(g, axis=0)  # [BT] cumulative log decay
-    ti = t[:, None]
-    tj = t[None, :]
-    lower_eq = tj <= ti  # [BT, BT]
-    decay = tl.exp(tl.where(lower_eq, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above diagonal
-    kk = kk * rk[:, None] * rk[None, :]  # [BT, BT] of the normalised keys
-    # Y = (I + A)^-1 - I, strictly lower; row i of Y = -A_i + sum_j (-A_ij) Y_j, rows j < i already final
-    y_inv = tl.where(tj < ti, -(beta[:, None] * kk * decay), 0.0)  # [BT, BT], starts as -A
-    for i in range(2, n):
-        a = tl.sum(tl.where(ti == i, y_inv, 0.0), axis=0)  # [BT] row i of -A
-        a = a + tl.sum(a[:, None] * y_inv, axis=0)
-        y_inv = tl.where(ti == i, a[None, :], y_inv)
-    inv = y_inv + (ti == tj).to(tl.float32)  # [BT, BT] (I + A)^-1
-    p = tl.where(lower_eq, qk * rq[:, None] * rk[None, :] * decay, 0.0)  # [BT, BT] P
-    return rk, rq, p, beta, tl.exp(gc), inv
 
 
 @triton.jit
@@ -141,8 +87,9 @@ def _prep_block(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qp_ptr, y_ptr, scale, bos, n,
     rows = bos + t  # [BT] int64
     k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
     q_rows = q_ptr + rows[:, None] * s_qn + hk * s_qh  # [BT, 1]
-    rk, rq, p, beta, eg, inv = _ut_inverse(k_rows, q_rows, g_ptr, b_ptr, rows, n, hv, scale, s_gn, s_gh, s_bn, s_bh,
-                                           DK, BT, BK, KC, True, L2NORM, PREC)
+    rk, rq, p, beta, gc, g_last, inv = _ut_inverse(k_rows, q_rows, g_ptr, b_ptr, rows, n, hv, scale,
+                                                   s_gn, s_gh, s_bn, s_bh, DK, BT, BK, KC, True, L2NORM, PREC, PREC)
+    eg = tl.exp(gc)  # [BT]
     m = tl.dot(p, inv, input_precision=PREC)  # [BT, BT] M = P (I + A)^-1
     # q' = diag(rq e^gc) q_raw - (M diag(rk beta e^gc)) k_raw;  y = (M diag(beta)) v_raw; piece by piece
     mk = m * (rk * beta * eg)[None, :]  # [BT, BT]
@@ -382,187 +329,3 @@ def gdn_verify_factored_triton(
         **pdl_args(dev),
     )
     return o
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The commit in the same factored form: S_a = e^{gc_a} S_0 + (k diag(e^{gc_a - gc}))^T (U - W S_0) over the first a
-# tokens (the UT system of the first a tokens is the leading block of the whole one)
-# --------------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _commit_prep_block(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, bos, n, hk, hv,
-                       s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
-                       HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       BDV: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Commit phase 1 for one request's first n <= BT tokens from row bos, value head hv: W = (I + A)^-1
-    diag(beta e^gc) k [n, BK] and U = (I + A)^-1 diag(beta) v [n, BDV] into the scratch (the raw k, v, exact in
-    tf32; the norms and gates folded into the [BT, BT] factor)."""
-    t = tl.arange(0, BT)  # [BT]
-    tm = t < n
-    rows = bos + t  # [BT] int64
-    k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
-    rk, rq, p, beta, eg, inv = _ut_inverse(k_rows, k_rows, g_ptr, b_ptr, rows, n, hv, 1.0, s_gn, s_gh, s_bn, s_bh,
-                                           DK, BT, BK, KC, False, L2NORM, PREC)
-    wk = inv * (rk * beta * eg)[None, :]  # [BT, BT]
-    ub = inv * beta[None, :]  # [BT, BT]
-    for c in range(0, BK, KC):
-        dc = c + tl.arange(0, KC)  # [KC]
-        kc = tl.load(k_rows + dc[None, :], mask=tm[:, None] & (dc < DK)[None, :], other=0.0).to(tl.float32)
-        tl.store(w_ptr + (rows[:, None] * HV + hv) * BK + dc[None, :], tl.dot(wk, kc, input_precision=PREC),
-                 mask=tm[:, None])  # [BT, KC] W
-    for c in range(0, BDV, KC):
-        dc = c + tl.arange(0, KC)  # [KC]
-        vc = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dc[None, :],
-                     mask=tm[:, None] & (dc < DV)[None, :], other=0.0).to(tl.float32)  # [BT, KC]
-        tl.store(u_ptr + (rows[:, None] * HV + hv) * BDV + dc[None, :], tl.dot(ub, vc, input_precision=PREC),
-                 mask=tm[:, None])  # [BT, KC] U
-
-
-@triton.jit
-def _commit_prep_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, keep_ptr, w_ptr, u_ptr,
-    s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
-    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, KC: tl.constexpr,
-    L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
-):
-    """W, U of request b's kept tokens (min(keep[b], T_b)), value head hv; 16 or MAX_BT wide per request."""
-    pdl_prologue(PDL)
-    b = tl.program_id(0)
-    hv = tl.program_id(1)
-    hk = hv // (HV // HK)
-    bos = tl.load(cu_ptr + b).to(tl.int64)
-    n = tl.minimum((tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32), tl.load(keep_ptr + b).to(tl.int32))
-    if n > 16:
-        if MAX_BT > 16:
-            _commit_prep_block(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, bos, n, hk, hv,
-                               s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, HV, DK, DV, MAX_BT, BK, BDV, KC,
-                               L2NORM, PREC)
-    elif n > 0:
-        _commit_prep_block(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, bos, n, hk, hv,
-                           s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, HV, DK, DV, 16, BK, BDV, KC, L2NORM, PREC)
-
-
-@triton.jit
-def _commit_block(S, w_ptr, u_ptr, k_ptr, g_ptr, bos, n, hk, hv, dk, dv, s_kn, s_kh, s_gn, s_gh,
-                  HV: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
-                  L2NORM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
-    """S [BK, BV] (TRANS: S^T [BV, BK]) -> S_n = e^{gc_n} S + (k diag(e^{gc_n - gc}))^T (U - W S) over n <= BT
-    tokens from row bos."""
-    t = tl.arange(0, BT)  # [BT]
-    tm = t < n
-    rows = bos + t  # [BT] int64
-    k = tl.load(k_ptr + rows[:, None] * s_kn + hk * s_kh + dk[None, :], mask=tm[:, None] & (dk < DK)[None, :],
-                other=0.0).to(tl.float32)  # [BT, BK] raw
-    g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT]
-    gc = tl.cumsum(g, axis=0)  # [BT]
-    g_last = tl.sum(g, axis=0)
-    fk = tl.exp(g_last - gc)  # [BT]
-    if L2NORM:
-        fk = fk * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)
-    kd = k * fk[:, None]  # [BT, BK]
-    if TRANS:  # every product has the value tile as M (BV rows: wgmma with operands in shared memory)
-        wt = tl.load(w_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)  # [BK, BT]
-        ut = tl.load(u_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)  # [BV, BT]
-        vnt = ut - tl.dot(S, wt, input_precision=PREC)  # [BV, BT] v_new^T
-        return S * tl.exp(g_last) + tl.dot(vnt, kd, input_precision=PREC)  # [BV, BK]
-    else:
-        w = tl.load(w_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)  # [BT, BK]
-        u = tl.load(u_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)  # [BT, BV]
-        vn = u - tl.dot(w, S, input_precision=PREC)  # [BT, BV] v_new
-        return S * tl.exp(g_last) + tl.dot(tl.trans(kd), vn, input_precision=PREC)  # [BK, BV]
-
-
-@triton.jit
-def _commit_out_kernel(
-    w_ptr, u_ptr, k_ptr, g_ptr, cu_ptr, keep_ptr, state_desc, slots_ptr, s_kn, s_kh, s_gn, s_gh,
-    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr,
-    MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
-):
-    """Request b's state tile (value head hv, columns v0 .. v0+BV) advanced over its kept tokens and stored; the
-    tile is read before the PDL prologue (the kernel before is commit phase 1, which writes no state). A request
-    that keeps nothing reads and writes nothing."""
-    b = tl.program_id(0)
-    hv = tl.program_id(1)
-    v0 = tl.program_id(2) * BV
-    hk = hv // (HV // HK)
-    bos = tl.load(cu_ptr + b).to(tl.int64)
-    n = tl.minimum((tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32), tl.load(keep_ptr + b).to(tl.int32))
-    if n > 0:
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        s_row = ((slot * HV + hv) * DK).to(tl.int32)  # row of this tile in the pool viewed as [S*HV*DK, DV]
-        S = _load_state(state_desc, s_row, v0, TRANS)  # [BK, BV] (TRANS: S^T [BV, BK])
-        pdl_prologue(PDL)  # W and U come from phase 1
-        dk = tl.arange(0, BK)  # [BK]
-        dv = v0 + tl.arange(0, BV)  # [BV]
-        if n > 16:
-            if MAX_BT > 16:
-                S = _commit_block(S, w_ptr, u_ptr, k_ptr, g_ptr, bos, n, hk, hv, dk, dv, s_kn, s_kh, s_gn, s_gh,
-                                  HV, DK, MAX_BT, BK, BDV, L2NORM, PREC, TRANS)
-        else:
-            S = _commit_block(S, w_ptr, u_ptr, k_ptr, g_ptr, bos, n, hk, hv, dk, dv, s_kn, s_kh, s_gn, s_gh,
-                              HV, DK, 16, BK, BDV, L2NORM, PREC, TRANS)
-        _store_state(state_desc, s_row, v0, S, TRANS)
-    else:  # nothing kept: its programs pass the prologue too (kernels/pdl.py's ordering)
-        pdl_prologue(PDL)
-
-
-def gdn_commit_factored_triton(
-    k: Tensor,  # [N, HK, DK] the verified block's keys (before L2 norm)
-    v: Tensor,  # [N, HV, DV]
-    g: Tensor,  # [N, HV]
-    beta: Tensor,  # [N, HV]
-    cu_seqlens: Tensor,  # [B+1] int32
-    keep_lens: Tensor,  # [B] tokens of each block to commit (0..T_i)
-    state: Tensor,  # [S, HV, DK, DV] fp32 pool holding S_0
-    slots: Tensor,  # [B] int64
-    max_len: int,
-    use_qk_l2norm: bool = True,
-    *,
-    bv: int | None = None,
-    num_warps: int | None = None,
-    prep_warps: int | None = None,
-    kc: int | None = None,
-    precision: str | None = None,
-    trans: bool | None = None,
-) -> None:
-    """gdn_commit_ref in two launches: phase 1 per (request, value head) the kept tokens' W and U (the UT
-    transform), phase 2 per state tile S_a = e^{gc_a} S_0 + (k diag(e^{gc_a - gc}))^T (U - W S_0) and its store. Both
-    products feed the state: `precision` (DOT_PRECISION, tf32x3). Blocks of at most 32 tokens; a request that keeps
-    nothing is neither read nor written. The keyword-only arguments are tile sizes / launch options for
-    measurement."""
-    if not 0 <= max_len <= 32:
-        raise ValueError(f"max_len must be between 0 and 32 (one block a request), got {max_len}")
-    k, v = _rowmajor(k), _rowmajor(v)
-    n_tok, heads_k, dim_k = k.shape
-    heads_v, dim_v = v.shape[1], v.shape[2]
-    assert heads_v % heads_k == 0 and state.shape[1:] == (heads_v, dim_k, dim_v) and state.dtype == torch.float32
-    bsz = slots.shape[0]
-    if bsz == 0 or n_tok == 0 or max_len == 0:
-        return
-    bt = MAX_BT  # each request's block is 16 or 32 wide on the device; one compile for every max_len
-    bk = max(16, triton.next_power_of_2(dim_k))
-    bdv = max(16, triton.next_power_of_2(dim_v))
-    bv = min(bv, bdv) if bv else _value_tile(dim_v, FACTORED_COMMIT_BV)
-    assert state.is_contiguous() and dim_k == bk and dim_v % bv == 0, "DK a power of two >= 16, BV dividing DV"
-    dev, prec = v.device, precision or DOT_PRECISION
-    w = torch.empty(n_tok, heads_v, bk, dtype=torch.float32, device=dev)  # [N, HV, BK] W
-    u = torch.empty(n_tok, heads_v, bdv, dtype=torch.float32, device=dev)  # [N, HV, BDV] U
-    _commit_prep_kernel[(bsz, heads_v)](  # (the whole key dimension at once spills here: no FACTORED_FEW config)
-        k, v, g, beta, cu_seqlens, keep_lens, w, u,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv,
-        KC=min(kc or FACTORED_KC, bk, bdv), L2NORM=use_qk_l2norm, PREC=prec,
-        num_warps=prep_warps or FACTORED_PREP_WARPS,
-        **pdl_args(dev),
-    )
-    desc = _state_desc(state, bk, bv)
-    _commit_out_kernel[(bsz, heads_v, dim_v // bv)](
-        w, u, k, g, cu_seqlens, keep_lens, desc, slots, k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-        HV=heads_v, HK=heads_k, DK=dim_k, MAX_BT=bt, BK=bk, BDV=bdv, BV=bv, L2NORM=use_qk_l2norm, PREC=prec,
-        TRANS=FACTORED_COMMIT_TRANS if trans is None else trans, num_warps=num_warps or FACTORED_COMMIT_WARPS,
-        **pdl_args(dev),
-    )
