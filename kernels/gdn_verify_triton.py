@@ -283,9 +283,6 @@ def gdn_verify_factored_triton(
     the requests decoding one token without drafts). write_state=True (every state written) is the sequential
     kernel's job (kernels/gdn_triton.py) and is refused. The keyword-only arguments are tile sizes / launch options
     for measurement."""
-    if write_state is True:
-        raise ValueError("gdn_verify_factored_triton: write_state must be False or a [B] mask, got True (a call "
-                         "that writes every state takes gdn_triton's sequential kernel)")
     if not 0 <= max_len <= 32:
         raise ValueError(f"max_len must be between 0 and 32 (one block a request), got {max_len}")
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
@@ -298,8 +295,9 @@ def gdn_verify_factored_triton(
     if bsz == 0 or n_tok == 0 or max_len == 0:
         return o
     write, wmask = _write_mode(write_state, slots)
-    if write == 1:  # (a truthy value other than True)
-        raise ValueError(f"gdn_verify_factored_triton: write_state must be False or a [B] mask, got {write_state!r}")
+    if write == 1:
+        raise ValueError(f"gdn_verify_factored_triton: write_state must be False or a [B] mask, got {write_state!r} "
+                         "(a call that writes every state takes gdn_triton's sequential kernel)")
     bt = MAX_BT  # each request's block is 16 or 32 wide on the device; one compile for every max_len
     bk = max(16, triton.next_power_of_2(dim_k))
     bdv = max(16, triton.next_power_of_2(dim_v))
