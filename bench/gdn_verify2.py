@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-POINTS = [(b, t) for b in (1, 4, 8, 16, 32, 64) for t in (4, 8, 16, 17)]
+POINTS = [(b, t) for b in (1, 4, 8, 16, 32, 64) for t in (4, 8, 16, 17)]  # (fla where carried: .device/fla)
 SWEEP_POINTS = [(1, 16), (8, 17), (32, 16), (64, 8), (16, 17)]
 FACTORED = {  # the first is the kernel's default (kernels/gdn_verify_triton.py FACTORED_*)
     "f default": dict(),
@@ -121,10 +121,12 @@ def main() -> None:
         R, pool, slot_sets, blk = kg.setup(bsz, t)
         row = {}
         for name in names:
-            fn = everything[name]
             try:
-                us = kg.graph_us(lambda r: (lambda: fn((*blk, pool, slot_sets[r]), t)), R)
-                row[name] = us
+                if name == "fla":  # fla-core's fused_recurrent (writes the final state), where carried
+                    row[name] = kg.graph_us(kg.verify_calls(bsz, t, {}, "fla_recurrent", pool, slot_sets, blk), R)
+                    continue
+                fn = everything[name]
+                row[name] = kg.graph_us(lambda r: (lambda: fn((*blk, pool, slot_sets[r]), t)), R)
             except Exception as exc:  # noqa: BLE001
                 res["errors"].append(f"B={bsz} T={t} {name}: {exc!r}"[:400])
         del pool
@@ -141,7 +143,7 @@ def main() -> None:
     res["best_factored"] = best
 
     # 3. the table
-    names = ["block", "seq", "f default @17"] + ([best] if best else [])
+    names = ["block", "seq", "f default @17"] + ([best] if best else []) + (["fla"] if kg.HAVE_FLA else [])
     for bsz, t in POINTS:
         row = {"B": bsz, "T": t, **kg.floors_us(bsz * t, bsz), **timed(bsz, t, names)}
         res["rows"].append(row)
@@ -150,14 +152,14 @@ def main() -> None:
         print("error:", e)
     print(f"best factored variant: {best} ({FACTORED.get(best)})")
     print("| B | T | floor_r | block | seq (served before) | factored, best | factored default, max_len 17 "
-          "(as in graphs) | that / seq | auto in a graph |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(as in graphs) | that / seq | auto in a graph | fla fused_recurrent |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         f = r.get(best, float("nan")) if best else float("nan")
         sq, g17 = r.get("seq", float("nan")), r.get("f default @17", float("nan"))
         auto = gt._auto_impl(r["B"], GRAPH_MAX_LEN, torch.zeros(r["B"], dtype=torch.bool), r["B"] * r["T"])
         print(f"| {r['B']} | {r['T']} | {r['floor_r_us']:.1f} | {r.get('block', float('nan')):.1f} | {sq:.1f} | "
-              f"{f:.1f} | {g17:.1f} | {g17 / sq:.2f} | {auto} |")
+              f"{f:.1f} | {g17:.1f} | {g17 / sq:.2f} | {auto} | {r.get('fla', float('nan')):.1f} |")
 
 
 if __name__ == "__main__":

@@ -475,6 +475,9 @@ def table():
             for mode in TABLE_MODES:
                 row[mode] = graph_us(verify_calls(bsz, t, cfg, mode, pool, slot_sets, blk), R)
             row["seq_verify"] = graph_us(verify_calls(bsz, t, seq_cfg, "verify", pool, slot_sets, blk), R)
+            # the factored kernel (kernels/gdn_verify_triton.py), what auto picks for verification since 2026-12-02
+            row["factored_verify"] = graph_us(verify_calls(bsz, t, {"impl": "factored"}, "verify", pool, slot_sets,
+                                                           blk), R)
             row["seq_verify_w"] = graph_us(verify_calls(bsz, t, seq_cfg, "verify_w", pool, slot_sets, blk), R)
             if HAVE_FLA:
                 try:
