@@ -134,14 +134,23 @@ def case_verify_factored():
     o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False)
     errs["via_gdn_triton/o"] = _rel(gdn_triton(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False,
                                                impl="factored"), o_ref)
-    os.environ["HYBRIDSPEC_GDN_VERIFY"] = "factored"
+    # the override reaches the factored kernel where auto would not (blocks of 1-2 tokens: auto takes seq)
+    import kernels.gdn_verify_triton as fv
+    calls, real = [], fv.gdn_verify_factored_triton
+    fv.gdn_verify_factored_triton = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    q2, k2, v2, g2, b2, cu2, st2, sl2 = _gdn_inputs([1, 2, 1], seed=17)
+    o_ref2 = gdn_recurrent_ref(q2, k2, v2, g2, b2, cu2, st2.clone(), sl2, 2, write_state=False)
     try:
-        errs["via_env/o"] = _rel(gdn_triton(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False),
-                                 o_ref)
-        # the override covers verification without a write only: a state-writing call keeps the sequential kernel
+        gdn_triton(q2, k2, v2, g2, b2, cu2, st2.clone(), sl2, 2, write_state=False)
+        errs["auto_short_blocks_take_seq"] = float(len(calls) != 0)
+        os.environ["HYBRIDSPEC_GDN_VERIFY"] = "factored"
+        errs["via_env/o"] = _rel(gdn_triton(q2, k2, v2, g2, b2, cu2, st2.clone(), sl2, 2, write_state=False), o_ref2)
+        errs["via_env/took_factored"] = float(len(calls) != 1)
+        # the override covers verification calls only: a call that writes every state keeps the sequential kernel
         errs["env_keeps_writes_seq"] = float(_auto_impl(3, 17, True) != "seq")
     finally:
-        del os.environ["HYBRIDSPEC_GDN_VERIFY"]
+        os.environ.pop("HYBRIDSPEC_GDN_VERIFY", None)
+        fv.gdn_verify_factored_triton = real
     # auto: a value head dim that no power-of-two tile of 32+ divides takes a 16-wide tile; a truthy write_state
     # other than True writes every state (the sequential kernel)
     for name, dims, ws in (("dv48", dict(dv=48), torch.tensor([True, False, True])), ("write_1", {}, 1)):
