@@ -516,20 +516,6 @@ _prefill_impl()  # a bad HYBRIDSPEC_GDN_PREFILL fails at import, not in the firs
 _verify_override()  # the same for HYBRIDSPEC_GDN_VERIFY
 
 
-COMMIT_IMPL = "seq"  # the commit's kernel (gdn_commit_triton); HYBRIDSPEC_GDN_COMMIT overrides it at each call
-COMMIT_IMPLS = ("seq", "block", "factored")
-
-
-def _commit_impl() -> str:
-    impl = os.environ.get("HYBRIDSPEC_GDN_COMMIT", COMMIT_IMPL)
-    if impl not in COMMIT_IMPLS:
-        raise ValueError(f"HYBRIDSPEC_GDN_COMMIT must be one of {COMMIT_IMPLS}, got {impl!r}")
-    return impl
-
-
-_commit_impl()  # a bad HYBRIDSPEC_GDN_COMMIT fails at import
-
-
 def _block_tokens(max_len: int) -> int:
     return 16 if max_len <= 16 else 32 if max_len <= 32 else CHUNK_BT
 
@@ -657,30 +643,18 @@ def gdn_commit_triton(
     max_len: int,
     use_qk_l2norm: bool = True,
     *,
-    impl: str | None = None,
+    impl: str = "seq",
     bv: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
     precision_out: str | None = None,
     trans: bool | None = None,
 ) -> None:
-    """gdn_commit_ref for all requests; a request with keep 0 is neither read nor written. impl (None:
-    COMMIT_IMPL, or HYBRIDSPEC_GDN_COMMIT read at each call) "seq": one launch, one token at a time, work in
-    proportion to each request's kept tokens (the engine's commits keep the accepted drafts + 1, a fraction of the
-    block); "block": the WY block kernel over the whole block of BT tokens whatever is kept (measured: bench/NOTES.md,
-    2026-11-30 second session); "factored": two launches, the kept tokens' UT transform per (request, head), then
-    one pass over each state tile (kernels/gdn_verify_triton.py gdn_commit_factored_triton)."""
-    if impl is None:
-        impl = _commit_impl()
-        if impl == "factored" and (max_len > 32 or not _factored_fits(k.shape[-1], v.shape[-1])):
-            impl = "seq"  # the factored commit takes blocks of at most 32 tokens and _factored_fits' head dims
+    """gdn_commit_ref in one launch for all requests; a request with keep 0 is neither read nor written.
+    impl "seq" (the default): one token at a time, work in proportion to each request's kept tokens (the
+    engine's commits keep the accepted drafts + 1, a fraction of the block); "block": the WY block kernel over the
+    whole block of BT tokens whatever is kept (measured: bench/NOTES.md, 2026-11-30 second session)."""
     k, v = _rowmajor(k), _rowmajor(v)
-    if impl == "factored":
-        from kernels.gdn_verify_triton import gdn_commit_factored_triton
-        opts = dict(bv=bv, num_warps=num_warps, precision=precision, trans=trans)
-        gdn_commit_factored_triton(k, v, g, beta, cu_seqlens, keep_lens, state, slots, max_len, use_qk_l2norm,
-                                   **{key: val for key, val in opts.items() if val is not None})
-        return
     if impl == "seq":
         heads_k, dim_k = k.shape[1], k.shape[2]
         heads_v, dim_v = v.shape[1], v.shape[2]
@@ -702,7 +676,7 @@ def gdn_commit_triton(
         )
         return
     if impl != "block":
-        raise ValueError(f"impl must be one of {COMMIT_IMPLS}, got {impl!r}")
+        raise ValueError(f"impl must be 'seq' or 'block', got {impl!r}")
     _launch(k, k, v, g, beta, None, cu_seqlens, state, slots, scale=1.0, use_qk_l2norm=use_qk_l2norm, write=1,
             wmask=slots, has_out=False, commit=True, keep=keep_lens, prev=None, bt=_block_tokens(max_len),
             single=max_len <= _block_tokens(max_len),

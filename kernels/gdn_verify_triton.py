@@ -28,7 +28,9 @@ wait for the kernel before them (kernels/pdl.py), so every write of the state th
 The read of the state, the largest by far (64 KB a request and head), thus overlaps phase 1's tail.
 
 Block width: 16 tokens where a request's n <= 16, else 32 (MAX_BT), decided per request on the device, so only
-the requests that verify more than 16 tokens pay the wide block. Both widths are compiled into every launch: a
+the requests that verify more than 16 tokens pay the wide block. Phase 1 takes n = 17 (16 drafts + 1, the longest
+block the engine verifies) as the 16-wide block plus a rank-one extension (_prep_block's EXTRA): B=32, T=17 80.0 ->
+68.7 us, B=64 138 -> 118 (bench/NOTES.md, 2026-12-02 second session); phase 2 still multiplies a 32-row q' there. Both widths are compiled into every launch: a
 captured verification graph's max_len is its bucket's largest block (17 at max_verify_len 16) whatever its steps
 verify, and one kernel a launch keeps the compile keys of eager steps few.
 
@@ -52,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.gdn_triton import (DOT_PRECISION, DOT_PRECISION_OUT, _load_state, _rowmajor, _seq_token, _state_desc,
+from kernels.gdn_triton import (DOT_PRECISION_OUT, _load_state, _rowmajor, _seq_token, _state_desc,
                                 _store_state, _ut_inverse, _write_mode)
 from kernels.pdl import pdl_args, pdl_prologue
 
@@ -74,12 +76,6 @@ FACTORED_FEW, FACTORED_KC_FEW, FACTORED_PREP_WARPS_FEW = 2, 128, 4  # phase 1 up
 # The widest block: every launch compiles both widths (16 where a request's n <= 16), whatever max_len says: a graph's
 # max_len is its bucket's largest block anyway, and one compile key fewer for eager steps (tests/test_specializations)
 MAX_BT = 32
-# The factored commit's phase 2 (gdn_commit_factored_triton): S^T [BV, DK] (every product with M = BV), 8 warps
-# (ptxas, sm_90: 252 registers, no spill; 4 warps spill). Its first H200 run (9359928, the TMA store of the
-# transposed tile, as the block kernel's crashed 8-warp write variants) died with an illegal memory access; plain
-# stores of the tile are the default until bench/gdn_commit.py's variants (each in its own process) say otherwise.
-# The engine takes it only through HYBRIDSPEC_GDN_COMMIT=factored (kernels/gdn_triton.py COMMIT_IMPL).
-FACTORED_COMMIT_BV, FACTORED_COMMIT_WARPS, FACTORED_COMMIT_TRANS, FACTORED_COMMIT_TMA_STORE = 64, 8, True, False
 
 
 @triton.jit
@@ -391,198 +387,3 @@ def gdn_verify_factored_triton(
         **pdl_args(dev),
     )
     return o
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The commit in the same factored form: S_a = e^{gc_a} S_0 + (k diag(e^{gc_a - gc}))^T (U - W S_0) over the first a
-# tokens (the UT system of the first a tokens is the leading block of the whole one)
-# --------------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _commit_prep_block(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, bos, n, hk, hv,
-                       s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
-                       HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       BDV: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Commit phase 1 for one request's first n <= BT tokens from row bos, value head hv: W = (I + A)^-1
-    diag(beta e^gc) k [n, BK] and U = (I + A)^-1 diag(beta) v [n, BDV] into the scratch (the raw k, v, exact in
-    tf32; the norms and gates folded into the [BT, BT] factor)."""
-    t = tl.arange(0, BT)  # [BT]
-    tm = t < n
-    rows = bos + t  # [BT] int64
-    k_rows = k_ptr + rows[:, None] * s_kn + hk * s_kh  # [BT, 1]
-    rk, rq, p, beta, gc, g_last, inv = _ut_inverse(k_rows, k_rows, g_ptr, b_ptr, rows, n, hv, 1.0, s_gn, s_gh,
-                                                   s_bn, s_bh, DK, BT, BK, KC, False, L2NORM, PREC, PREC)
-    eg = tl.exp(gc)  # [BT]
-    wk = inv * (rk * beta * eg)[None, :]  # [BT, BT]
-    ub = inv * beta[None, :]  # [BT, BT]
-    for c in range(0, BK, KC):
-        dc = c + tl.arange(0, KC)  # [KC]
-        kc = tl.load(k_rows + dc[None, :], mask=tm[:, None] & (dc < DK)[None, :], other=0.0).to(tl.float32)
-        tl.store(w_ptr + (rows[:, None] * HV + hv) * BK + dc[None, :], tl.dot(wk, kc, input_precision=PREC),
-                 mask=tm[:, None])  # [BT, KC] W
-    for c in range(0, BDV, KC):
-        dc = c + tl.arange(0, KC)  # [KC]
-        vc = tl.load(v_ptr + rows[:, None] * s_vn + hv * s_vh + dc[None, :],
-                     mask=tm[:, None] & (dc < DV)[None, :], other=0.0).to(tl.float32)  # [BT, KC]
-        tl.store(u_ptr + (rows[:, None] * HV + hv) * BDV + dc[None, :], tl.dot(ub, vc, input_precision=PREC),
-                 mask=tm[:, None])  # [BT, KC] U
-
-
-@triton.jit
-def _commit_prep_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, keep_ptr, w_ptr, u_ptr,
-    s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
-    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, KC: tl.constexpr,
-    L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
-):
-    """W, U of request b's kept tokens (min(keep[b], T_b)), value head hv; 16 or MAX_BT wide per request."""
-    pdl_prologue(PDL)
-    b = tl.program_id(0)
-    hv = tl.program_id(1)
-    hk = hv // (HV // HK)
-    bos = tl.load(cu_ptr + b).to(tl.int64)
-    n = tl.minimum((tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32), tl.load(keep_ptr + b).to(tl.int32))
-    if n > 16:
-        if MAX_BT > 16:
-            _commit_prep_block(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, bos, n, hk, hv,
-                               s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, HV, DK, DV, MAX_BT, BK, BDV, KC,
-                               L2NORM, PREC)
-    elif n > 0:
-        _commit_prep_block(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, bos, n, hk, hv,
-                           s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh, HV, DK, DV, 16, BK, BDV, KC, L2NORM, PREC)
-
-
-@triton.jit
-def _commit_block(S, w_ptr, u_ptr, k_ptr, g_ptr, bos, n, hk, hv, dk, dv, s_kn, s_kh, s_gn, s_gh,
-                  HV: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
-                  L2NORM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
-    """S [BK, BV] (TRANS: S^T [BV, BK]) -> S_n = e^{gc_n} S + (k diag(e^{gc_n - gc}))^T (U - W S) over n <= BT
-    tokens from row bos."""
-    t = tl.arange(0, BT)  # [BT]
-    tm = t < n
-    rows = bos + t  # [BT] int64
-    k = tl.load(k_ptr + rows[:, None] * s_kn + hk * s_kh + dk[None, :], mask=tm[:, None] & (dk < DK)[None, :],
-                other=0.0).to(tl.float32)  # [BT, BK] raw
-    g = tl.load(g_ptr + rows * s_gn + hv * s_gh, mask=tm, other=0.0).to(tl.float32)  # [BT]
-    gc = tl.cumsum(g, axis=0)  # [BT]
-    g_last = tl.sum(g, axis=0)
-    fk = tl.exp(g_last - gc)  # [BT]
-    if L2NORM:
-        fk = fk * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)
-    kd = k * fk[:, None]  # [BT, BK]
-    if TRANS:  # every product has the value tile as M (BV rows: wgmma with operands in shared memory)
-        wt = tl.load(w_ptr + (rows[None, :] * HV + hv) * BK + dk[:, None], mask=tm[None, :], other=0.0)  # [BK, BT]
-        ut = tl.load(u_ptr + (rows[None, :] * HV + hv) * BDV + dv[:, None], mask=tm[None, :], other=0.0)  # [BV, BT]
-        vnt = ut - tl.dot(S, wt, input_precision=PREC)  # [BV, BT] v_new^T
-        return S * tl.exp(g_last) + tl.dot(vnt, kd, input_precision=PREC)  # [BV, BK]
-    else:
-        w = tl.load(w_ptr + (rows[:, None] * HV + hv) * BK + dk[None, :], mask=tm[:, None], other=0.0)  # [BT, BK]
-        u = tl.load(u_ptr + (rows[:, None] * HV + hv) * BDV + dv[None, :], mask=tm[:, None], other=0.0)  # [BT, BV]
-        vn = u - tl.dot(w, S, input_precision=PREC)  # [BT, BV] v_new
-        return S * tl.exp(g_last) + tl.dot(tl.trans(kd), vn, input_precision=PREC)  # [BK, BV]
-
-
-@triton.jit
-def _commit_out_kernel(
-    w_ptr, u_ptr, k_ptr, g_ptr, cu_ptr, keep_ptr, state_desc, state_ptr, slots_ptr, s_kn, s_kh, s_gn, s_gh,
-    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr,
-    TMA_STORE: tl.constexpr,  # store the tile through the TMA engine (else plain stores; see FACTORED_COMMIT_*)
-    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
-):
-    """Request b's state tile (value head hv, columns v0 .. v0+BV) advanced over its kept tokens and stored; the
-    tile is read before the PDL prologue (the kernel before is commit phase 1, which writes no state). A request
-    that keeps nothing reads and writes nothing."""
-    b = tl.program_id(0)
-    hv = tl.program_id(1)
-    v0 = tl.program_id(2) * BV
-    hk = hv // (HV // HK)
-    bos = tl.load(cu_ptr + b).to(tl.int64)
-    n = tl.minimum((tl.load(cu_ptr + b + 1).to(tl.int64) - bos).to(tl.int32), tl.load(keep_ptr + b).to(tl.int32))
-    if n > 0:
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        s_row = ((slot * HV + hv) * DK).to(tl.int32)  # row of this tile in the pool viewed as [S*HV*DK, DV]
-        S = _load_state(state_desc, s_row, v0, TRANS)  # [BK, BV] (TRANS: S^T [BV, BK])
-        pdl_prologue(PDL)  # W and U come from phase 1
-        dk = tl.arange(0, BK)  # [BK]
-        dv = v0 + tl.arange(0, BV)  # [BV]
-        if n > 16:
-            if MAX_BT > 16:
-                S = _commit_block(S, w_ptr, u_ptr, k_ptr, g_ptr, bos, n, hk, hv, dk, dv, s_kn, s_kh, s_gn, s_gh,
-                                  HV, DK, MAX_BT, BK, BDV, L2NORM, PREC, TRANS)
-        else:
-            S = _commit_block(S, w_ptr, u_ptr, k_ptr, g_ptr, bos, n, hk, hv, dk, dv, s_kn, s_kh, s_gn, s_gh,
-                              HV, DK, 16, BK, BDV, L2NORM, PREC, TRANS)
-        if TMA_STORE:
-            _store_state(state_desc, s_row, v0, S, TRANS)
-        else:  # plain stores (int64 offsets into the pool [S*HV*DK, DV]); S^T is stored as it lies, no transpose
-            if TRANS:
-                tl.store(state_ptr + (s_row + dk[None, :]).to(tl.int64) * DV + dv[:, None], S)  # S^T [BV, BK]
-            else:
-                tl.store(state_ptr + (s_row + dk[:, None]).to(tl.int64) * DV + dv[None, :], S)  # S [BK, BV]
-    else:  # nothing kept: its programs pass the prologue too (kernels/pdl.py's ordering)
-        pdl_prologue(PDL)
-
-
-def gdn_commit_factored_triton(
-    k: Tensor,  # [N, HK, DK] the verified block's keys (before L2 norm)
-    v: Tensor,  # [N, HV, DV]
-    g: Tensor,  # [N, HV]
-    beta: Tensor,  # [N, HV]
-    cu_seqlens: Tensor,  # [B+1] int32
-    keep_lens: Tensor,  # [B] tokens of each block to commit (0..T_i)
-    state: Tensor,  # [S, HV, DK, DV] fp32 pool holding S_0
-    slots: Tensor,  # [B] int64
-    max_len: int,
-    use_qk_l2norm: bool = True,
-    *,
-    bv: int | None = None,
-    num_warps: int | None = None,
-    prep_warps: int | None = None,
-    kc: int | None = None,
-    precision: str | None = None,
-    trans: bool | None = None,
-    tma_store: bool | None = None,
-) -> None:
-    """gdn_commit_ref in two launches: phase 1 per (request, value head) the kept tokens' W and U (the UT
-    transform), phase 2 per state tile S_a = e^{gc_a} S_0 + (k diag(e^{gc_a - gc}))^T (U - W S_0) and its store. Both
-    products feed the state: `precision` (DOT_PRECISION, tf32x3). Blocks of at most 32 tokens; a request that keeps
-    nothing is neither read nor written. The keyword-only arguments are tile sizes / launch options for
-    measurement."""
-    if not 0 <= max_len <= 32:
-        raise ValueError(f"max_len must be between 0 and 32 (one block a request), got {max_len}")
-    k, v = _rowmajor(k), _rowmajor(v)
-    n_tok, heads_k, dim_k = k.shape
-    heads_v, dim_v = v.shape[1], v.shape[2]
-    assert heads_v % heads_k == 0 and state.shape[1:] == (heads_v, dim_k, dim_v) and state.dtype == torch.float32
-    bsz = slots.shape[0]
-    if bsz == 0 or n_tok == 0 or max_len == 0:
-        return
-    bt = MAX_BT  # each request's block is 16 or 32 wide on the device; one compile for every max_len
-    bk = max(16, triton.next_power_of_2(dim_k))
-    bdv = max(16, triton.next_power_of_2(dim_v))
-    bv = min(bv, bdv) if bv else _value_tile(dim_v, FACTORED_COMMIT_BV)
-    assert state.is_contiguous() and dim_k == bk and dim_v % bv == 0, "DK a power of two >= 16, BV dividing DV"
-    dev, prec = v.device, precision or DOT_PRECISION
-    w = torch.empty(n_tok, heads_v, bk, dtype=torch.float32, device=dev)  # [N, HV, BK] W
-    u = torch.empty(n_tok, heads_v, bdv, dtype=torch.float32, device=dev)  # [N, HV, BDV] U
-    _commit_prep_kernel[(bsz, heads_v)](  # (the whole key dimension at once spills here: no FACTORED_FEW config)
-        k, v, g, beta, cu_seqlens, keep_lens, w, u,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv,
-        KC=min(kc or FACTORED_KC, bk, bdv), L2NORM=use_qk_l2norm, PREC=prec,
-        num_warps=prep_warps or FACTORED_PREP_WARPS,
-        **pdl_args(dev),
-    )
-    desc = _state_desc(state, bk, bv)
-    _commit_out_kernel[(bsz, heads_v, dim_v // bv)](
-        w, u, k, g, cu_seqlens, keep_lens, desc, state, slots, k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-        HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv, BV=bv, L2NORM=use_qk_l2norm,
-        PREC=prec, TRANS=FACTORED_COMMIT_TRANS if trans is None else trans,
-        TMA_STORE=FACTORED_COMMIT_TMA_STORE if tma_store is None else tma_store,
-        num_warps=num_warps or FACTORED_COMMIT_WARPS,
-        **pdl_args(dev),
-    )
