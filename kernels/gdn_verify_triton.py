@@ -49,6 +49,8 @@ request of 0 tokens (a graph bucket's idle padding request) reads and writes not
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -174,6 +176,7 @@ def _verify_prep_kernel(
     MAX_BT: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, KC: tl.constexpr,
     WRITE: tl.constexpr,  # 0: no request's state is written, 2: those where wmask[b] (phase 2 walks them)
     L2NORM: tl.constexpr, PREC: tl.constexpr,
+    SPLIT17: tl.constexpr = True,  # a 17-token block as 16 + 1 (_prep_block's EXTRA); False: the 32-wide block
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """q' [n, BK] and y [n, BDV] of request b (n tokens), value head hv, into the scratch rows of its tokens
@@ -191,7 +194,7 @@ def _verify_prep_kernel(
     if WRITE == 2:
         if tl.load(wmask_ptr + b) != 0:
             n = 0  # a request whose state is written: phase 2 walks its tokens one by one
-    if n == 17:  # 16 + 1: the extra token as a rank-one extension of the 16-wide system (_prep_block)
+    if SPLIT17 and n == 17:  # 16 + 1: the extra token as a rank-one extension of the 16-wide system (_prep_block)
         _prep_block(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qp_ptr, y_ptr, scale, bos, 16, hk, hv,
                     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_gh, s_bn, s_bh,
                     HV, DK, DV, 16, BK, BDV, KC, L2NORM, PREC, EXTRA=True)
@@ -375,6 +378,7 @@ def gdn_verify_factored_triton(
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv,
         KC=min(kc or (FACTORED_KC_FEW if few else FACTORED_KC), bk, bdv),
         WRITE=write, L2NORM=use_qk_l2norm, PREC=precision or FACTORED_PREP_PRECISION,
+        SPLIT17=os.environ.get("HYBRIDSPEC_GDN_VERIFY_SPLIT17", "1") != "0",  # (0: for A/B measurement only)
         num_warps=prep_warps or (FACTORED_PREP_WARPS_FEW if few else FACTORED_PREP_WARPS),
         **pdl_args(dev),
     )
