@@ -30,9 +30,10 @@ The read of the state, the largest by far (64 KB a request and head), thus overl
 Block width: 16 tokens where a request's n <= 16, else 32 (MAX_BT), decided per request on the device, so only
 the requests that verify more than 16 tokens pay the wide block. Phase 1 takes n = 17 (16 drafts + 1, the longest
 block the engine verifies) as the 16-wide block plus a rank-one extension (_prep_block's EXTRA): B=32, T=17 80.0 ->
-68.7 us, B=64 138 -> 118 (bench/NOTES.md, 2026-12-02 second session); phase 2 still multiplies a 32-row q' there. Both widths are compiled into every launch: a
-captured verification graph's max_len is its bucket's largest block (17 at max_verify_len 16) whatever its steps
-verify, and one kernel a launch keeps the compile keys of eager steps few.
+68.7 us, B=64 138 -> 118 (bench/NOTES.md, 2026-12-02 second session); phase 2 still multiplies a 32-row q'
+there. Both widths are compiled into every launch: a captured verification graph's max_len is its bucket's
+largest block (17 at max_verify_len 16) whatever its steps verify, and one kernel a launch keeps the compile keys
+of eager steps few.
 
 What it replaces (kernels/gdn_triton.py): the one-launch block kernel redoes the [T, T] work (k k^T, the
 substitution) in every value tile's program and runs two state products (W S and q S) in a dependent chain behind
@@ -78,6 +79,9 @@ FACTORED_FEW, FACTORED_KC_FEW, FACTORED_PREP_WARPS_FEW = 2, 128, 4  # phase 1 up
 # The widest block: every launch compiles both widths (16 where a request's n <= 16), whatever max_len says: a graph's
 # max_len is its bucket's largest block anyway, and one compile key fewer for eager steps (tests/test_specializations)
 MAX_BT = 32
+# A 17-token block as 16 + 1 (_prep_block's EXTRA); HYBRIDSPEC_GDN_VERIFY_SPLIT17=0 takes the 32-wide block (A/B
+# measurement only; read once here, so that captured graphs and eager steps run the same variant)
+SPLIT17 = os.environ.get("HYBRIDSPEC_GDN_VERIFY_SPLIT17", "1") != "0"
 
 
 @triton.jit
@@ -181,10 +185,10 @@ def _verify_prep_kernel(
 ):
     """q' [n, BK] and y [n, BDV] of request b (n tokens), value head hv, into the scratch rows of its tokens
     (module docstring); scratch layouts [N, HV, BK] and [N, HV, BDV], contiguous. The block is 16 tokens wide
-    where n <= 16, else MAX_BT (32): chosen per request on the device, so a graph captured for blocks of up to 17
-    tokens pays the 32-wide block only for the requests that verify 17. The large products take the raw q, k, v
-    (bf16 values, exact in tf32) with the norms and gates folded into the fp32 [BT, BT] factor, so a tf32 dot
-    rounds only that factor."""
+    where n <= 16, 16 + 1 where n = 17 (SPLIT17), else MAX_BT (32): chosen per request on the device, so a graph
+    captured for blocks of up to 17 tokens pays for a wider block only in the requests that verify 17. The large
+    products take the raw q, k, v (bf16 values, exact in tf32) with the norms and gates folded into the fp32
+    [BT, BT] factor, so a tf32 dot rounds only that factor."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -378,7 +382,7 @@ def gdn_verify_factored_triton(
         HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, MAX_BT=bt, BK=bk, BDV=bdv,
         KC=min(kc or (FACTORED_KC_FEW if few else FACTORED_KC), bk, bdv),
         WRITE=write, L2NORM=use_qk_l2norm, PREC=precision or FACTORED_PREP_PRECISION,
-        SPLIT17=os.environ.get("HYBRIDSPEC_GDN_VERIFY_SPLIT17", "1") != "0",  # (0: for A/B measurement only)
+        SPLIT17=SPLIT17,
         num_warps=prep_warps or (FACTORED_PREP_WARPS_FEW if few else FACTORED_PREP_WARPS),
         **pdl_args(dev),
     )

@@ -2,12 +2,20 @@
 
 The planner needs acc_ij = P(draft j of request i is accepted | drafts 0..j-1 were), but drafters report a
 confidence of their own (an n-gram prior, a draft model's token probability) that is often over-confident.
-Per (drafter, position) we keep binned acceptance counts over the confidence axis, shrunk towards the identity
-map by a small prior (trust the raw confidence until data says otherwise), made monotone non-decreasing in
-confidence (weighted pool-adjacent-violators: binned isotonic regression), and read by linear interpolation
-between bin centres. Online: every verification adds observations; ECE is reported before (raw) and after
-(calibrated, scored prequentially: each observation against the map as last built before it; with
-max_stale_reads > 0 that map may be a few reads older than the counts).
+Per (drafter, position) we keep binned acceptance counts over the confidence axis, shrunk by a small prior,
+made monotone non-decreasing in confidence (weighted pool-adjacent-violators: binned isotonic regression), and
+read by linear interpolation between bin centres. The prior (prior="pooled", the default) is the drafter's map
+over all positions together (its counts summed, themselves shrunk towards the identity map: with no data at all
+the raw confidence is trusted): a deep position sees few observations (it is verified only when every draft
+before it was accepted), and shrinking it towards the identity map pulled its estimate towards the raw
+confidence instead of towards what the drafter's other positions show. In a simulation of c=1 replay
+verification (190 steps of 14 drafts, noise confidences) the expected tokens of a 16-draft plan were estimated
+2.5% / 4.0% low at acceptance 0.85 / 0.95 with the identity prior, within 0.4% with the pooled one, and an
+over-confident drafter's 10-14% high against 2-3% (bench/NOTES.md, 2026-12-02 second session); e2e's hybridspec
+counted 6% more tokens than its plans expected at c=1/0.85. prior="identity" keeps the earlier behaviour.
+Online: every verification adds observations; ECE is reported before (raw) and after (calibrated, scored
+prequentially: each observation against the map as last built before it; with max_stale_reads > 0 that map may
+be a few reads older than the counts).
 
 The map is also exported as a table [positions][bins] for planner_torch.calibrate_device. Host numpy: a step's
 calibrations and observations run vectorized (with the arithmetic of the per-draft loops, so equal bit for bit),
@@ -70,8 +78,10 @@ class _DrafterMaps:
     bins], the values rebuilt lazily for the positions that saw data) and its ECE bins."""
 
     def __init__(self, positions: int, num_bins: int, prior_weight: float, max_count_per_bin: float,
-                 max_stale_reads: int = 0):
+                 max_stale_reads: int = 0, pooled: bool = True):
         self.num_bins, self.prior_weight, self.max_count = num_bins, prior_weight, max_count_per_bin
+        # the prior of each position's map: the map of all positions' counts together (one position: the identity)
+        self.pooled = pooled and positions > 1
         self.max_stale_reads = max_stale_reads  # reads served from values older than the counts (see table)
         self._stale_reads = 0
         self._built = np.zeros(positions, dtype=bool)  # [P] values built at least once
@@ -130,18 +140,28 @@ class _DrafterMaps:
             self._slopes[:, :-1] = values[:, 1:] - values[:, :-1]
         return values.take(idx) + (x - lo) * self._slopes.take(idx)  # (at the clamps x - lo = 0: vals[lo] + 0)
 
+    def prior_values(self) -> list[float] | None:
+        """The pooled prior at the bin centres [nb]: the isotonic map of the counts summed over positions (in
+        position order), shrunk towards the identity map; None where the prior is the identity map itself."""
+        if not self.pooled:
+            return None
+        # [nb] each: a reduction over the rows adds them in position order, as the reference sums them
+        acc, tot = self.accepted.sum(axis=0), self.total.sum(axis=0)
+        return _isotonic(acc.tolist(), tot.tolist(), self.prior_weight, self.num_bins)
+
     def _rebuild(self, dirty: np.ndarray) -> None:
-        """Weighted pool-adjacent-violators per dirty position, the counts shrunk towards the identity map by the
-        prior: for many positions the per-bin rates in numpy and the pooling (where a bin is below its
-        predecessor) in Python; for a few, all in Python."""
+        """Weighted pool-adjacent-violators per dirty position, the counts shrunk towards the prior (the pooled
+        map, or the identity): for many positions the per-bin rates in numpy and the pooling (where a bin is
+        below its predecessor) in Python; for a few, all in Python."""
         nb, w = self.num_bins, self.prior_weight
+        prior = self.prior_values()
         if len(dirty) <= _REBUILD_LOOP_MAX:
-            self._values[dirty] = [_isotonic(a, t, w, nb) for a, t in
+            self._values[dirty] = [_isotonic(a, t, w, nb, prior) for a, t in
                                    zip(self.accepted[dirty].tolist(), self.total[dirty].tolist())]
             self._dirty[dirty] = False
             self._slopes = None
             return
-        centre = self._centre
+        centre = self._centre if prior is None else np.array(prior)  # [nb] what each bin is shrunk towards
         weight = self.total[dirty] + w  # [D, nb]
         if w >= 1e-9 and self.max_count >= 1.0:  # (totals >= 0: every weight >= 1e-9)
             rate = (self.accepted[dirty] + w * centre) / weight
@@ -191,6 +211,8 @@ class _DrafterMaps:
                     t_list[c] = t + 1.0
             acc[:] = a_list
             tot[:] = t_list
+        if self.pooled and len(positions):  # every position's prior moved
+            self._dirty[:] = True
         self._dirty[positions] = True
         self._rows = None
 
@@ -204,15 +226,19 @@ class _DrafterMaps:
             a, t = a * keep, t * keep
         self.accepted[cell] = a + (1.0 if accepted else 0.0)
         self.total[cell] = t + 1.0
+        if self.pooled:
+            self._dirty[:] = True
         self._dirty[position] = True
         self._rows = None
 
 
-def _isotonic(accepted: list[float], total: list[float], prior_weight: float, nb: int) -> list[float]:
-    """One map's values at the bin centres: rates shrunk towards the centre, pooled (_DrafterMaps._rebuild)."""
+def _isotonic(accepted: list[float], total: list[float], prior_weight: float, nb: int,
+              prior: list[float] | None = None) -> list[float]:
+    """One map's values at the bin centres: rates shrunk towards the prior (default: the identity map, each bin's
+    centre), pooled (_DrafterMaps._rebuild)."""
     sums, weights = [], []
     for b, (a, t) in enumerate(zip(accepted, total)):
-        centre = (b + 0.5) / nb
+        centre = (b + 0.5) / nb if prior is None else prior[b]
         weight = t + prior_weight
         rate = (a + prior_weight * centre) / weight if weight > 0 else centre
         weight = max(weight, 1e-9)  # an empty bin with no prior: the identity, pooled away by any data
@@ -274,13 +300,19 @@ _CALIBRATE_NUMPY_MIN, _OBSERVE_NUMPY_MIN = 32, 40
 _REBUILD_LOOP_MAX = 6  # maps of at most this many positions rebuild in plain Python
 
 
+CALIBRATION_PRIORS = ("pooled", "identity")  # what a position's map is shrunk towards (module docstring)
+
+
 class AcceptanceCalibrator:
     """Per drafter name and draft position (0-based; positions >= max_positions share the last map)."""
 
     def __init__(self, num_bins: int = 10, max_positions: int = 16, prior_weight: float = 2.0,
-                 max_count_per_bin: float = 2000.0, max_stale_reads: int = 0):
+                 max_count_per_bin: float = 2000.0, max_stale_reads: int = 0, prior: str = "pooled"):
         if num_bins < 1 or max_positions < 1:
             raise ValueError("num_bins and max_positions must be >= 1")
+        if prior not in CALIBRATION_PRIORS:
+            raise ValueError(f"prior must be one of {CALIBRATION_PRIORS}, got {prior!r}")
+        self.prior = prior
         if max_stale_reads < 0:
             raise ValueError(f"max_stale_reads must be >= 0, got {max_stale_reads}")
         self.num_bins, self.max_positions, self.max_stale_reads = num_bins, max_positions, max_stale_reads
@@ -291,7 +323,7 @@ class AcceptanceCalibrator:
         maps = self._maps.get(drafter)
         if maps is None:
             maps = _DrafterMaps(self.max_positions, self.num_bins, self.prior_weight, self.max_count_per_bin,
-                                self.max_stale_reads)
+                                self.max_stale_reads, pooled=self.prior == "pooled")
             self._maps[drafter] = maps
         return maps
 

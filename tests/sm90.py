@@ -18,7 +18,10 @@ def compile_sm90(kernel, constexprs: dict, types: dict, num_warps: int = 4, **op
     import triton
     from triton.backends.compiler import GPUTarget
 
-    params = list(inspect.signature(kernel.fn).parameters)
+    params = inspect.signature(kernel.fn).parameters
+    # a constexpr parameter with a default that the caller left out takes its default (as a launch does)
+    constexprs = {**{p: v.default for p, v in params.items() if v.default is not inspect.Parameter.empty
+                     and "constexpr" in str(v.annotation)}, **constexprs}
     sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})

@@ -111,6 +111,16 @@ def case_verify_factored():
                                                **kw)
             errs[f"{name}/trans{int(trans)}/bv{bv}/o"] = _rel(o_tri, o_ref)
             errs[f"{name}/trans{int(trans)}/bv{bv}/pool_untouched"] = float(not torch.equal(s_tri, state))
+    # a 17-token block 32 wide again (HYBRIDSPEC_GDN_VERIFY_SPLIT17=0, read at import: the module constant here)
+    import kernels.gdn_verify_triton as fv
+    q, k, v, g, beta, cu, state, slots = _gdn_inputs([17, 3, 17], seed=13)
+    o_ref = gdn_recurrent_ref(q, k, v, g, beta, cu, state.clone(), slots, 17, write_state=False)
+    split17, fv.SPLIT17 = fv.SPLIT17, False
+    try:
+        errs["split17_off/o"] = _rel(gdn_verify_factored_triton(q, k, v, g, beta, cu, state.clone(), slots, 17), o_ref)
+    finally:
+        fv.SPLIT17 = split17
+    errs["split17_on/o"] = _rel(gdn_verify_factored_triton(q, k, v, g, beta, cu, state.clone(), slots, 17), o_ref)
     # a write mask (the engine's verification steps: requests decoding without drafts advance their states here)
     for name, lens, mask, kw in (("mask", [1, 3, 17], [True, False, True], {}),
                                  ("mask_decode", [1, 16, 1], [True, False, True], {}),

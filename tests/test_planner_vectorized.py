@@ -120,6 +120,7 @@ class RefPositionMap:
         self.accepted = [0.0] * num_bins
         self.total = [0.0] * num_bins
         self._values = None
+        self._version = None
 
     def add(self, confidence, accepted):
         b = min(self.num_bins - 1, max(0, int(confidence * self.num_bins)))
@@ -131,23 +132,29 @@ class RefPositionMap:
         self.total[b] += 1.0
         self._values = None
 
-    def values(self):
-        if self._values is None:
-            nb, w = self.num_bins, self.prior_weight
-            blocks = []
-            for b in range(nb):
-                centre = (b + 0.5) / nb
-                weight = self.total[b] + w
-                rate = (self.accepted[b] + w * centre) / weight if weight > 0 else centre
-                weight = max(weight, 1e-9)
-                blocks.append([rate * weight, weight, 1])
-                while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-                    s, wt, n = blocks.pop()
-                    blocks[-1][0] += s
-                    blocks[-1][1] += wt
-                    blocks[-1][2] += n
-            self._values = [blk[0] / blk[1] for blk in blocks for _ in range(int(blk[2]))]
+    def values(self, prior=None, version=None):
+        """The map at the bin centres, shrunk towards `prior` (None: the identity map); cached per `version`
+        (the calibrator's count of observations, which moves the pooled prior)."""
+        if self._values is None or self._version != version:
+            self._values = ref_isotonic(self.accepted, self.total, self.prior_weight, self.num_bins, prior)
+            self._version = version
         return self._values
+
+
+def ref_isotonic(accepted, total, w, nb, prior=None):
+    blocks = []
+    for b in range(nb):
+        centre = (b + 0.5) / nb if prior is None else prior[b]
+        weight = total[b] + w
+        rate = (accepted[b] + w * centre) / weight if weight > 0 else centre
+        weight = max(weight, 1e-9)
+        blocks.append([rate * weight, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, wt, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += wt
+            blocks[-1][2] += n
+    return [blk[0] / blk[1] for blk in blocks for _ in range(int(blk[2]))]
 
 
 def ref_interpolate(vals, nb, confidence):
@@ -161,10 +168,26 @@ def ref_interpolate(vals, nb, confidence):
 
 
 class RefCalibrator:
-    def __init__(self, num_bins=10, max_positions=16, prior_weight=2.0, max_count_per_bin=2000.0):
+    """One map per position as plain Python lists; prior "pooled": each position's map is shrunk towards the
+    map of all positions' counts summed (position by position), itself shrunk towards the identity."""
+
+    def __init__(self, num_bins=10, max_positions=16, prior_weight=2.0, max_count_per_bin=2000.0, prior="pooled"):
         self.num_bins, self.max_positions = num_bins, max_positions
         self.prior_weight, self.max_count_per_bin = prior_weight, max_count_per_bin
+        self.prior = prior
         self._maps, self._ece_raw, self._ece_cal = {}, {}, {}
+        self._version = {}  # drafter -> observations counted (the pooled prior's cache key)
+
+    def _values(self, drafter, m):
+        maps = self._maps[drafter]
+        if self.prior == "identity" or len(maps) == 1:
+            return m.values()
+        version = self._version.get(drafter, 0)
+        acc, tot = list(maps[0].accepted), list(maps[0].total)
+        for other in maps[1:]:
+            acc = [a + b for a, b in zip(acc, other.accepted)]
+            tot = [a + b for a, b in zip(tot, other.total)]
+        return m.values(ref_isotonic(acc, tot, self.prior_weight, self.num_bins), version)
 
     def _map(self, drafter, position):
         maps = self._maps.get(drafter)
@@ -177,12 +200,13 @@ class RefCalibrator:
 
     def calibrate(self, drafter, position, confidence):
         m = self._map(drafter, position)
-        return ref_interpolate(m.values(), m.num_bins, confidence)
+        return ref_interpolate(self._values(drafter, m), m.num_bins, confidence)
 
     def calibrate_row(self, drafter, confidences):
         self._map(drafter, 0)
         maps, last, nb = self._maps[drafter], self.max_positions - 1, self.num_bins
-        return [ref_interpolate(maps[j if j < last else last].values(), nb, c) for j, c in enumerate(confidences)]
+        return [ref_interpolate(self._values(drafter, maps[j if j < last else last]), nb, c)
+                for j, c in enumerate(confidences)]
 
     def observe_many(self, drafter, observations):
         self._map(drafter, 0)
@@ -191,11 +215,12 @@ class RefCalibrator:
         scored = []
         for pos, conf, acc in observations:
             m = maps[min(max(pos, 0), last)]
-            scored.append((m, conf, acc, ref_interpolate(m.values(), nb, conf)))
+            scored.append((m, conf, acc, ref_interpolate(self._values(drafter, m), nb, conf)))
         for m, conf, acc, pred in scored:
             raw.add(min(1.0, max(0.0, conf)), acc)
             cal.add(pred, acc)
             m.add(conf, acc)
+            self._version[drafter] = self._version.get(drafter, 0) + 1
 
     def observe_step(self, drafter, outcomes):
         obs = []
@@ -206,7 +231,7 @@ class RefCalibrator:
 
     def table(self, drafter):
         self._map(drafter, 0)
-        return [list(m.values()) for m in self._maps[drafter]]
+        return [list(self._values(drafter, m)) for m in self._maps[drafter]]
 
 
 # ---------------------------------------------------------------------------------------------------------

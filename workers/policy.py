@@ -15,6 +15,7 @@ seen enough steps it explores with `fixed` lengths (an online start-up profile).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from scheduler.calibration import AcceptanceCalibrator
+from scheduler.calibration import CALIBRATION_PRIORS, AcceptanceCalibrator
 from scheduler.latency_model import (DraftCost, ExpertEstimator, LatencyModel, ModelTokenCost, StepComposition,
                                       TokenCostTable)
 from scheduler.planner import Plan, budget_plan, fixed_lengths, survival_from_acceptance, width_plan
@@ -78,11 +79,22 @@ REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and it
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
 # time a step at c=1 on a CPU core (bench/NOTES.md)
 CALIBRATION_STALE_READS = 7
+
 # hybridspec's measured step cost rises by at least min(the latency model's ms_per_token, this fraction of the cost
 # table's mean rise a token over its span) a token (step_cost)
 SLOPE_FLOOR_CHORD = 0.5
 SLOPE_MEMO_MAX = 8  # token-count origins (lo) a SlopeFloor keeps its costs for
 SLOPE_FLOOR_MIN = 0.25  # ... but at least this fraction of the model's ms_per_token
+
+
+def calibration_prior() -> str:
+    """What each draft position's calibration map is shrunk towards (scheduler/calibration.py): "pooled" (the
+    drafter's map over all positions; the default) or "identity" (the raw confidence, as before 2026-12-02);
+    HYBRIDSPEC_CALIBRATION_PRIOR chooses, for A/B measurement."""
+    prior = os.environ.get("HYBRIDSPEC_CALIBRATION_PRIOR", "pooled")
+    if prior not in CALIBRATION_PRIORS:
+        raise ValueError(f"HYBRIDSPEC_CALIBRATION_PRIOR must be one of {CALIBRATION_PRIORS}, got {prior!r}")
+    return prior
 
 
 @dataclass
@@ -424,7 +436,7 @@ class LengthPolicy:
         self._last_plan: tuple | None = None  # (survival, cost, plan, base tokens) of this step's plan
         self.extra_keep: dict[int, tuple[float, float]] = {}  # bucket -> decayed (kept, sent) extra tokens
         self.calibrator = AcceptanceCalibrator(max_positions=max(max_verify_len + 1, 16),
-                                               max_stale_reads=CALIBRATION_STALE_READS)
+                                               max_stale_reads=CALIBRATION_STALE_READS, prior=calibration_prior())
         self.steps = 0
         self.profiled = False  # a start-up profile fitted the latency model (no exploration steps needed)
         self._pending_counts: torch.Tensor | None = None  # [MoE layers, E] routed tokens since the last fold
