@@ -145,8 +145,9 @@ class _DrafterMaps:
         position order), shrunk towards the identity map; None where the prior is the identity map itself."""
         if not self.pooled:
             return None
-        # [nb] each: a reduction over the rows adds them in position order, as the reference sums them
-        acc, tot = self.accepted.sum(axis=0), self.total.sum(axis=0)
+        # [nb] each, the rows added in position order as the reference sums them (a cumulative sum is sequential;
+        # sum(axis=0) is pairwise where the rows are one bin wide)
+        acc, tot = self.accepted.cumsum(axis=0)[-1], self.total.cumsum(axis=0)[-1]
         return _isotonic(acc.tolist(), tot.tolist(), self.prior_weight, self.num_bins)
 
     def _rebuild(self, dirty: np.ndarray) -> None:

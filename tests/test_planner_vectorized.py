@@ -440,6 +440,21 @@ def outcomes(rng: random.Random, b: int, k: int, kind: str):
     return out
 
 
+@pytest.mark.parametrize("prior", ["pooled", "identity"])
+@pytest.mark.parametrize("num_bins", [1, 10])
+def test_calibrator_pooled_prior_sums_positions_in_order(prior, num_bins):
+    """The pooled prior's per-bin sums over 17 positions of decayed (fractional) counts: added in position order
+    as the reference does (numpy's sum over one-bin-wide rows is pairwise and rounds differently)."""
+    rng = random.Random(num_bins)
+    kw = dict(num_bins=num_bins, max_positions=17, max_count_per_bin=3.0, prior=prior)
+    cal, ref = AcceptanceCalibrator(**kw), RefCalibrator(**kw)
+    for _ in range(60):
+        outs = outcomes(rng, rng.choice([1, 3, 64]), 20, "smooth")
+        cal.observe_step("d", outs)
+        ref.observe_step("d", outs)
+        check_same_state(cal, ref, "d")
+
+
 @pytest.mark.parametrize("max_count", [2000.0, 12.0, 3.0, 1.0])
 @pytest.mark.parametrize("kind", ["smooth", "quantized"])
 def test_calibrator_equals_the_loop(max_count, kind):
