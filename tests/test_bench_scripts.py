@@ -3,8 +3,9 @@ time): bench/host_profile.py (host time of a step's parts per policy), bench/ste
 time per part), bench/verify_overhead.py (hybridspec's verification graphs vs budget's), bench/moe_tiles.py (the
 MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
 profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route, MoE tail and
-norm kernels' warps), bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute) and
-bench/gdn_verify2.py (every GDN verification variant's check against the reference)."""
+norm kernels' warps), bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute),
+bench/gdn_verify2.py (every GDN verification variant's check against the reference); bench/e2e_merge.py (its
+merges, on synthetic results)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -265,3 +268,40 @@ def test_moe_tiles_tiny_checks_every_candidate_against_the_reference(tmp_path):
                    check=True, cwd=ROOT, capture_output=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     errors = json.loads((tmp_path / "moe_tiles.json").read_text())["tiny_errors"]
     assert len(errors) == 2 * len(candidates()) and max(errors.values()) < 1e-4
+
+
+def _e2e_part(conc, rates, commit="abc", wall=1.0):
+    """A synthetic e2e.json: ar's decode tok/s and each (policy, acceptance)'s."""
+    rows = [{"policy": "ar", "concurrency": c, "acceptance": None, "decode_tokens_per_s": rates[("ar", c)]}
+            for c in conc]
+    rows += [{"policy": p, "concurrency": c, "acceptance": a, "decode_tokens_per_s": v}
+             for (p, c, a), v in ((k, v) for k, v in rates.items() if k[0] != "ar") if c in conc]
+    return {"meta": {"commit": commit, "layers": 2, "device": "cpu", "wall_s": wall,
+                     "max_new": {str(c): 8 for c in conc}, "graphs_captured": 3}, "rows": rows}
+
+
+def test_e2e_merge_parts_and_mean_of_runs(tmp_path):
+    """bench/e2e_merge.py: one run's processes concatenated (a concurrency in two parts is refused), repeated runs
+    averaged as speedups over each run's own ar (a cell missing from a run is refused)."""
+    from bench.e2e_merge import main, mean_of_runs, merge_processes
+
+    run1 = {("ar", 1): 100.0, ("hybridspec", 1, 0.85): 200.0, ("ar", 4): 300.0, ("hybridspec", 4, 0.85): 450.0}
+    run2 = {("ar", 1): 50.0, ("hybridspec", 1, 0.85): 150.0, ("ar", 4): 200.0, ("hybridspec", 4, 0.85): 400.0}
+    parts = [_e2e_part([1], run1, wall=2.0), _e2e_part([4], run1, wall=3.0)]
+    merged = merge_processes(parts, note="one run")
+    assert merged["meta"]["wall_s"] == 5.0 and merged["meta"]["max_new"] == {"1": 8, "4": 8}
+    assert merged["meta"]["note"] == "one run" and len(merged["rows"]) == 4
+    with pytest.raises(ValueError, match="more than one part"):
+        merge_processes([parts[0], parts[0]])
+    mean = mean_of_runs([merged, _e2e_part([1, 4], run2, commit="def")])
+    got = {(r["policy"], r["concurrency"]): r["decode_tokens_per_s"] for r in mean["rows"]}
+    assert got == {("ar", 1): 1.0, ("ar", 4): 1.0, ("hybridspec", 1): (2.0 + 3.0) / 2, ("hybridspec", 4): (1.5 + 2.0) / 2}
+    assert mean["meta"]["commit"] == "abc + def (mean of runs)"
+    with pytest.raises(ValueError, match="different cells"):
+        mean_of_runs([merged, _e2e_part([1], run2)])
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"p{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    main([str(p) for p in paths] + ["--out", str(tmp_path / "run.json")])
+    assert json.loads((tmp_path / "run.json").read_text())["rows"] == merged["rows"]
