@@ -27,13 +27,12 @@ is always its own phase 1, which writes no state, and phase 1's programs let pha
 wait for the kernel before them (kernels/pdl.py), so every write of the state that precedes this call is complete.
 The read of the state, the largest by far (64 KB a request and head), thus overlaps phase 1's tail.
 
-Block width: 16 tokens where a request's n <= 16, else 32 (MAX_BT), decided per request on the device, so only
-the requests that verify more than 16 tokens pay the wide block. Phase 1 takes n = 17 (16 drafts + 1, the longest
-block the engine verifies) as the 16-wide block plus a rank-one extension (_prep_block's EXTRA): B=32, T=17 80.0 ->
-68.7 us, B=64 138 -> 118 (bench/NOTES.md, 2026-12-02 second session); phase 2 still multiplies a 32-row q'
-there. Both widths are compiled into every launch: a captured verification graph's max_len is its bucket's
-largest block (17 at max_verify_len 16) whatever its steps verify, and one kernel a launch keeps the compile keys
-of eager steps few.
+Block width, decided per request on the device: 16 tokens where a request's n <= 16; for n = 17 (16 drafts + 1, the
+longest block the engine verifies) phase 1 takes the 16-wide block plus a rank-one extension (_prep_block's EXTRA,
+SPLIT17) and phase 2 a 32-row q'; above 17, 32 (MAX_BT) in both. Measured 16 + 1 against 32 wide: B=32, T=17 80.0 ->
+68.7 us, B=64 138 -> 118 (bench/NOTES.md, 2026-12-02 second session). Every width is compiled into every launch:
+a captured verification graph's max_len is its bucket's largest block (17 at max_verify_len 16) whatever its steps
+verify, and one kernel a launch keeps the compile keys of eager steps few.
 
 What it replaces (kernels/gdn_triton.py): the one-launch block kernel redoes the [T, T] work (k k^T, the
 substitution) in every value tile's program and runs two state products (W S and q S) in a dependent chain behind

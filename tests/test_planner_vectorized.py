@@ -177,17 +177,21 @@ class RefCalibrator:
         self.prior = prior
         self._maps, self._ece_raw, self._ece_cal = {}, {}, {}
         self._version = {}  # drafter -> observations counted (the pooled prior's cache key)
+        self._priors = {}  # drafter -> (version, pooled prior at that version)
 
     def _values(self, drafter, m):
         maps = self._maps[drafter]
         if self.prior == "identity" or len(maps) == 1:
             return m.values()
         version = self._version.get(drafter, 0)
-        acc, tot = list(maps[0].accepted), list(maps[0].total)
-        for other in maps[1:]:
-            acc = [a + b for a, b in zip(acc, other.accepted)]
-            tot = [a + b for a, b in zip(tot, other.total)]
-        return m.values(ref_isotonic(acc, tot, self.prior_weight, self.num_bins), version)
+        cached = self._priors.get(drafter)
+        if cached is None or cached[0] != version:  # the pooled prior, once per version (not per map read)
+            acc, tot = list(maps[0].accepted), list(maps[0].total)
+            for other in maps[1:]:
+                acc = [a + b for a, b in zip(acc, other.accepted)]
+                tot = [a + b for a, b in zip(tot, other.total)]
+            cached = self._priors[drafter] = (version, ref_isotonic(acc, tot, self.prior_weight, self.num_bins))
+        return m.values(cached[1], version)
 
     def _map(self, drafter, position):
         maps = self._maps.get(drafter)
