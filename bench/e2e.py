@@ -524,9 +524,11 @@ def main() -> None:
             for p, cont in zip(prompts, ar.tokens):
                 replay.set_reference(p, cont + [0] * (max_k + 2))  # room to draft past the end (never accepted)
             # rounds: every policy once per round, in the reverse order every other round (a drift of the GPU's or
-            # host's speed over the cell then lands on every policy alike); with repeats, ar runs in the rounds too
-            # and each policy's row sums its runs. A policy keeps its learned state from round to round.
-            order = (["ar"] if args.repeats > 1 else []) + policies
+            # host's speed over the cell then lands on every policy alike); ar runs in the rounds too (each cell's
+            # speedups are over its own ar: measured only once per concurrency, a drift over the cells landed on
+            # the later policies alone) and each policy's row sums its runs. A policy keeps its learned state from
+            # round to round.
+            order = ["ar"] + policies
             runs: dict[str, list[RunResult]] = {}
             learned: dict[str, LengthPolicy] = {}
             for rep in range(args.repeats):
