@@ -226,7 +226,8 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
 def test_e2e_tiny_plain_path_variants(tmp_path):
     """The two A/A variants for the plain path: ar-drafter (ar with the replay drafter attached, never asked: no
     drafts, no draft pages) and hybridspec-plain (the gate decodes every step plainly); both lossless, their rows
-    carry their speedup over the cell's ar, hybridspec-plain its (zero) speculative share."""
+    carry their speedup over the cell's ar (run in the cell's round), hybridspec-plain its (zero) speculative
+    share."""
     run_script("e2e.py", "--concurrency", "2", "--acceptance", "0.5", "--policies", "ar-drafter,hybridspec-plain",
                "--prompt-len", "16", "--max-new", "12", "--cell-tokens", "12", "--warm-new", "4", "--freeze-heap", "0",
                "--out", str(tmp_path))
@@ -237,6 +238,12 @@ def test_e2e_tiny_plain_path_variants(tmp_path):
         row = next(r for r in rows if r["policy"] == policy)
         assert row["greedy_match"] == 1.0 and row["draft_tokens"] == 0 and row["drafted_width_steps"] == {}
         assert row["speedup_vs_ar"] > 0 and row["tokens_per_step_mean"] == 2  # plain steps of both requests
+    # ar runs in the cell's round also at --repeats 1: the speedups are over that run, not the concurrency's first
+    cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.5)
+    assert len(cell_ar["runs_decode_tokens_per_s"]) == 1
+    for policy in ("ar-drafter", "hybridspec-plain"):
+        row = next(r for r in rows if r["policy"] == policy)
+        assert row["speedup_vs_ar"] == row["decode_tokens_per_s"] / cell_ar["decode_tokens_per_s"]
     plain = next(r for r in rows if r["policy"] == "hybridspec-plain")
     assert plain["speculative_step_share"] == 0.0 and "latency_model_error_pct" in plain
     assert "latency_model_error_pct" not in next(r for r in rows if r["policy"] == "ar-drafter")
