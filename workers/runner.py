@@ -510,6 +510,15 @@ class ModelRunner:
             result.policy_stats, self._stats_due = self._policy_stats(), False
         elif self._owed_stats is not None:  # owed by the policy before the last swap (use_policy)
             result.policy_stats, self._owed_stats = self._owed_stats, None
+        # what the learning reads of the device is queued now, behind the forward and before its read-back (a
+        # graph's static outputs are overwritten by the next replay): the distinct experts' async copy to the host
+        # and the sampled counts' copy cost host time (~0.1 ms a drafted step on the H200 host, a copy and an event
+        # record) that after the read-back was on the step's critical path, and is hidden under the forward here;
+        # on the device they add a few us ahead of the read-back. A step that captured a graph or ran eagerly with
+        # graphs on is no measurement of the step (forward_ms below): nothing is read for it
+        timed = not captured and not (graphs is not None and key is None)
+        distinct = self._read_distinct(moe) if timed and learns_experts and moe and moe.distinct_experts else None
+        kept_counts = self.policy.keep_counts(moe.counts_view()) if learns_experts and moe is not None else None
         # the greedy rows' argmax (step 4) is launched before the router correction's verdict is read (step 3): it
         # queues behind the forward and one wait covers both. Launched after that read (hybridspec from the
         # EXTRA_FROM bucket on, where extra tokens are sent), it started only once the host had read the mask and
@@ -563,7 +572,7 @@ class ModelRunner:
         self.last_draft_width = max((r.k for r in draft_reqs), default=0)  # drafts asked per request (0: none)
         # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
         # latency model, which plans the graphed decode/verify steps
-        forward_ms = None if captured or (graphs is not None and key is None) else timer.elapsed_ms()
+        forward_ms = timer.elapsed_ms() if timed else None
         step_ms = (time.perf_counter() - start) * 1e3  # before the routing-statistics fold below (it must not
         # land in it); so does the end of the gate's cycle
         gated = self.policy.gate is not None
@@ -573,13 +582,10 @@ class ModelRunner:
         launched_after = bool(draft_reqs) or bool(drafts) or hidden is not None or not spans
         end, ended = (self._ends.end_mark(launched_after), self._ends.clock()) if gated and self._ends.sampling \
             else (None, 0.0)
-        # what the learning reads of the device is copied now (the next replay overwrites graph outputs); the
-        # learning itself waits for the next step's forward launch where deferred
+        # (what it reads of the device was queued before the read-back); the learning itself waits for the next
+        # step's forward launch where deferred
         learning = (self.policy, self.drafter.name if self.drafter is not None else None, StepObservation(
-            [len(b) for b in blocks], [r.context_len for r in requests], forward_ms,
-            self._read_distinct(moe)
-            if forward_ms is not None and learns_experts and moe and moe.distinct_experts else None,
-            verified), self.policy.keep_counts(moe.counts_view()) if learns_experts and moe is not None else None)
+            [len(b) for b in blocks], [r.context_len for r in requests], forward_ms, distinct, verified), kept_counts)
         self.policy.fold_counts()  # (a no-op unless COUNTS_FOLD_EVERY samples are in)
         self._learning = learning
         if not self.defer_learning:
