@@ -1537,6 +1537,57 @@ def test_cost_ranges_equal_pointwise_costs():
     assert abs(exact[37].item() - big.expected_distinct_total(37)) < 1e-6
 
 
+def test_the_learnings_device_reads_are_queued_before_the_steps_read_back(monkeypatch):
+    """A drafted hybridspec step queues what its learning reads of the device (the distinct experts, the sampled
+    counts) right after the forward's launch, before acceptance reads the step back (on CUDA the host's time for
+    the copies then runs under the forward), and learns the same values: every timed step's observation carries
+    the distinct experts read for it. Served on CPU (tiny bench model, replay drafter at acceptance 0.7)."""
+    import workers.runner as runner_mod
+    from workers.drafters import DraftModelDrafter, ReplayDrafter
+    from workers.policy import LengthPolicy
+
+    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(24)
+    cfg = model.config
+    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, len(prompts))
+    replay = ReplayDrafter(0.7, cfg.vocab_size, seed=3, cost_model=cost)
+    for p, cont in zip(prompts, greedy):
+        replay.set_reference(p, cont + [0] * 20)
+    runner.drafter = replay
+    events: list[tuple] = []
+    read, keep, accept = runner.__class__._read_distinct, LengthPolicy.keep_counts, runner_mod.accept
+
+    def spy(label, f):
+        def call(*a, **k):
+            out = f(*a, **k)
+            events.append((label, out))
+            return out
+        return call
+
+    monkeypatch.setattr(runner.__class__, "_read_distinct", spy("read", read))
+    monkeypatch.setattr(LengthPolicy, "keep_counts", spy("keep", keep))
+    monkeypatch.setattr(runner_mod, "accept", spy("accept", accept))
+    observed: list[list[int] | None] = []
+    real_observe = LengthPolicy.observe
+
+    def observe(self, drafter, obs, *a, **k):
+        observed.append(list(obs.distinct_experts) if obs.distinct_experts is not None else None)
+        return real_observe(self, drafter, obs, *a, **k)
+
+    monkeypatch.setattr(LengthPolicy, "observe", observe)
+    res = serve(runner, prompts, 24, 8, page_size, num_pages, "hybridspec")
+    assert res.tokens == greedy and res.accepted_tokens > 0  # lossless, and drafts were verified
+    # per step (split at each read of the distinct experts): the read and the counts' keep come before acceptance
+    reads = [i for i, (label, _) in enumerate(events) if label == "read"]
+    assert len(reads) >= 5
+    for i in reads:
+        after = [label for label, _ in events[i + 1:]]
+        nxt = after.index("read") if "read" in after else len(after)
+        assert after[:1] == ["keep"] and "accept" in after[1:nxt], after[:nxt]
+    # the values read are the values learned (CPU: the read returns the list itself)
+    values = [out for label, out in events if label == "read"]
+    assert all(v in observed for v in values)
+
+
 def test_distinct_experts_on_their_way_to_the_host_are_learned_at_the_next_plan():
     """A served step's distinct experts come back without a sync (DeviceReadback): the policy learns that step's
     latency sample at its next plan or observation (not at the gate or a stats report, which would wait for the

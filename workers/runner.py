@@ -638,10 +638,11 @@ class ModelRunner:
 
     def _read_distinct(self, moe: MoEContext) -> "list[int] | DeviceReadback":
         """The step's distinct experts per MoE layer for the latency model. On CUDA an async copy to the host that
-        the policy reads once it has arrived (after the next forward launch) or at its next plan: a synchronous read
-        here would wait for the commit the GPU is still running (~1 ms a step at c=1, bench/NOTES.md). A captured
-        graph's static output is copied to the host straight away: the copy is queued before the next replay
-        overwrites it."""
+        the policy reads once it has arrived (after the next forward launch) or at its next plan: the runner queues it
+        right after the forward's launch, where a synchronous read would wait for the whole forward (after the
+        read-back it waited for the commit the GPU was still running, ~1 ms a step at c=1, bench/NOTES.md). A
+        captured graph's static output is copied to the host straight away: the copy is queued before the next
+        replay overwrites it."""
         stacked = moe.stacked_distinct()  # [MoE layers]
         if self.device.type != "cuda":
             return [int(x) for x in stacked.tolist()]
