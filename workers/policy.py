@@ -97,19 +97,6 @@ def calibration_prior() -> str:
     return prior
 
 
-def gate_probe_run() -> int:
-    """SpeculationGate.PROBE_RUN's value: HYBRIDSPEC_GATE_PROBE_RUN (an integer >= 1; 1: single-step probes, as
-    before 2026-12-02, for A/B measurement), 2 by default."""
-    raw = os.environ.get("HYBRIDSPEC_GATE_PROBE_RUN", "2")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"HYBRIDSPEC_GATE_PROBE_RUN must be an integer >= 1, got {raw!r}")
-    return n
-
-
 @dataclass
 class WidthChoice:
     """hybridspec's choice of its longest length at one batch-size bucket (width_plan): c, the overhead it was
@@ -198,15 +185,6 @@ class SpeculationGate:
     # c=64/0.7 1.251 / 1.259 / 1.291, c=16/0.5 0.989 / 0.978 / 0.982, c=16/0.7 1.364 / 1.364 / 1.340: within the
     # runs' spread (c=64/0.7, where the margin cannot bind, moved 3%), so 0
     SPEC_MARGIN = 0.0
-    # a probe of a close loser (its rate within BURST_GAP of the winner's) is a run of PROBE_RUN steps of that side,
-    # the first a warm-up that gives no sample (`warmup`: the runner drops its cycle). The first step of a side after
-    # the other side's steps runs its host paths cold and restages its graph: on the H200 host at c=1 / 0.5
-    # (32420cd, bench/host_phases.py) a speculative probe after plain steps took 5.75 ms against budget's 5.20 for
-    # the same work in a run of drafted steps (its staging, drafting, plan and commit each 20-75% slower; the
-    # device's replay the same), so single-step probes measured sustained speculation ~10% slower than it is, and
-    # near a tie that decides the verdict. A far loser's probe stays one sampled step (its verdict does not hinge on
-    # that, and every extra step of it costs the gap)
-    PROBE_RUN, BURST_GAP = gate_probe_run(), 0.25
 
     def __init__(self) -> None:
         # (bucket, drafted) -> output tokens per ms per request, the EWMA of its tokens over the EWMA of its ms (per
@@ -227,8 +205,6 @@ class SpeculationGate:
         # per bucket: whether its last verdict left plain decoding unexplored (too few plain samples, speculation
         # ahead of the optimistic plain hint): its speculative cycles are then timed every SAMPLE_EVERY-th step
         self.plain_unexplored: dict[int, bool] = {}
-        self.runs: dict[int, tuple[bool, int]] = {}  # per bucket: a probe run's side and its steps still to come
-        self.warmup = False  # the step should_draft decided last is a probe run's first step (no sample)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -262,8 +238,6 @@ class SpeculationGate:
         if self.SAMPLE_EVERY <= 1:
             return True
         b = self.bucket(batch_size)
-        if b in self.runs:  # a probe run's next step: its sample is the run's point
-            return True
         own, least = self.own, self.MIN_SAMPLES
         if b in self.inherited or own.get((b, True), 0) < least:
             return True
@@ -290,27 +264,11 @@ class SpeculationGate:
         self._inherit(b)
         draft, measured, probe = self._verdict(b, plain_hint, sampled)
         if draft and only_plain:
-            self.warmup = False
             return True
         if measured:
             self.asked[b] = 0 if probe else self.asked.get(b, 0) + 1  # steps since the last probe
-        run = self.runs.get(b)
-        self.warmup = False
-        if run is not None:  # a probe run goes on (its side, whatever the verdict: _verdict answered it)
-            if run[1] <= 1:
-                del self.runs[b]
-            else:
-                self.runs[b] = (run[0], run[1] - 1)
-        elif probe and self.PROBE_RUN > 1 and self._gap(b) < self.BURST_GAP:
-            self.runs[b] = (draft, self.PROBE_RUN - 1)  # a close loser: a run, its first step a warm-up
-            self.warmup = True
         self.decisions[draft] += 1
         return draft
-
-    def _gap(self, b: int) -> float:
-        """1 - the slower side's rate over the faster's at bucket b (both measured)."""
-        spec, plain = self.rate[(b, True)], self.rate[(b, False)]
-        return 1.0 - min(spec, plain) / max(spec, plain) if max(spec, plain) > 0 else 0.0
 
     def would_draft(self, batch_size: int, plain_hint: float | None | Callable[[], float | None] = None,
                     sampled: bool = True) -> bool:
@@ -345,9 +303,6 @@ class SpeculationGate:
                 return True, False, False  # an untimed step (thinned) does not explore: its sample would be lost
             self.plain_unexplored[b] = lead
             return lead, False, False
-        run = self.runs.get(b)
-        if run is not None:  # a probe run's next step: its side (a probe: the steps since the last one stay 0)
-            return run[0], True, True
         spec, plain = self.rate[(b, True)], self.rate[(b, False)]
         spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
         probe = sampled and self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, spec_wins and ahead())
@@ -585,15 +540,8 @@ class LengthPolicy:
         `sampled`: whether the step's cycle is timed; `only_plain`: the step cannot draft (SpeculationGate.
         should_draft: True is then a verdict the step misses, not counted)."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
-            if self.gate is not None:
-                self.gate.warmup = False
             return True
         return self.gate.should_draft(len(contexts), lambda: self._plain_hint(contexts), sampled, only_plain)
-
-    def gate_warmup(self) -> bool:
-        """Whether the step should_draft decided last is the first of the gate's probe run (its cycle is no sample:
-        SpeculationGate.PROBE_RUN)."""
-        return self.gate is not None and self.gate.warmup
 
     def drafts_next(self, contexts: list[int], sampled: bool = True) -> bool:
         """should_draft's answer for a next step of these contexts, counting nothing (SpeculationGate.would_draft)."""

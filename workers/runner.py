@@ -421,17 +421,14 @@ class ModelRunner:
         # steps, so that its probes come due; where its verdict is to draft now (the batch moved to another bucket)
         # there are no drafts: a plain step that the gate does not count (a due probe stays due, and the next hint
         # announces it)
-        warmup = False  # the gate's probe run starts here: its first step's cycle is no sample (warm-up)
         if self.drafter is not None and decode_only and not spec and self._hinted_plain and \
                 self.policy.gate is not None:
             # plain: counted, its probe clock advances (one verdict: True is one the step misses, not counted)
             if self.policy.should_draft([r.context_len for r in requests], self._ends.sampling, only_plain=True):
                 self.policy.gate_hint_misses += 1
-            warmup = self.policy.gate_warmup()
-        elif spec and self.drafter is not None and decode_only:
-            if not self.policy.should_draft([r.context_len for r in requests], self._ends.sampling):
-                spec = []
-            warmup = self.policy.gate_warmup()
+        elif spec and self.drafter is not None and decode_only and \
+                not self.policy.should_draft([r.context_len for r in requests], self._ends.sampling):
+            spec = []
         if self.drafter is not None and self.policy.name != "ar" and spec:
             cap = self.policy.draft_cap(len(requests))  # hybridspec drafts only what it may verify
             draft_reqs = [self._draft_request(requests[i], cap) for i in spec]
@@ -597,7 +594,7 @@ class ModelRunner:
         if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
             tokens = self.policy.observe_outcome(len(requests), bool(draft_reqs),
                                                  sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
-            sample = None if tokens is None or warmup else (len(requests), bool(draft_reqs), tokens)
+            sample = None if tokens is None else (len(requests), bool(draft_reqs), tokens)
         if gated:
             for cycle in self._ends.step_ended(start, ended, end, sample):
                 self.policy.observe_cycle(*cycle)
