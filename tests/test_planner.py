@@ -1844,6 +1844,34 @@ def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_
     assert list(policy.planned_max[8]) == [c] * WIDTH_EVERY + [max(again)]
 
 
+def test_hybridspec_prices_the_drafting_as_sunk_below_the_width_bucket():
+    """Below the WIDTH_FROM batch-size bucket (a latency-bound drafter: its ms hardly depend on the block, and the
+    width's price was its table's noise) the plans make no width choice: budget_plan on the measured drafting and
+    rest of the step as a sunk overhead, as hybridspec-nowidth plans everywhere. The same drafting table that
+    makes bucket 8 stop short (drafting 16 costs 2.5x drafting 4) leaves bucket 4's plans at the whole block."""
+    from scheduler.planner import budget_plan
+    from workers.policy import WIDTH_FROM, LengthPolicy
+
+    assert WIDTH_FROM == 8
+    policy = LengthPolicy("hybridspec", _moe_config(num_experts=8, top_k=2), max_verify_len=16)
+    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
+    for b in (4, 8):
+        for _ in range(20):
+            policy.observe_draft(b, b * 7, 2.0)  # blocks of 6 drafts: 2 ms, blocks of 16: 5 ms
+            policy.observe_draft(b, b * 17, 5.0)
+            policy.observe_outcome(b, True, 2 * b, step_ms=14.0, forward_ms=8.0)
+    survival = [[0.9 ** (j + 1) for j in range(16)]] * 8
+    policy.observe_draft(8, 8 * 17, 5.0)
+    wide = policy._plan_hybridspec(survival, [16] * 8, [1] * 8, [100] * 8)
+    assert 8 in policy._width_choice and max(wide) < 16  # priced: a narrower block pays for its drafting
+    policy.observe_draft(4, 4 * 17, 5.0)
+    sunk = policy._plan_hybridspec(survival[:4], [16] * 4, [1] * 4, [100] * 4)
+    assert 4 not in policy._width_choice
+    cost = policy.step_cost([1] * 4, [100] * 4, 4 + 64 + 4)
+    expected = budget_plan(survival[:4], [16] * 4, cost, 4, draft_ms=policy.step_overhead_ms(4))
+    assert sunk == expected.lengths and max(sunk) > max(wide), (sunk, wide)
+
+
 def test_hybridspec_chooses_again_at_once_where_its_choice_was_the_drafts_limit():
     """A choice that took every draft there was (c = the longest cap: the drafts' limit, not its own) is made
     again at the next plan that has more drafts (the block grows by the margin a step, not every WIDTH_EVERY

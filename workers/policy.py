@@ -74,6 +74,14 @@ DRAFT_WINDOW, DRAFT_QUANTILE, DRAFT_MARGIN = 16, 0.75, 2
 # [C, B K] search cost ~0.15-0.3 ms of host a step on this CPU, ~5x budget_plan's at c=1), the plans in between
 # search within it at its overhead
 WIDTH_EVERY = 8
+# ... and only from this batch-size bucket on. Below it the drafter's forward is latency-bound: its measured ms
+# hardly depend on the block (H200 at 32420cd: bucket 1 0.72-0.95 ms over 3-16 rows, scattered, bucket 4 0.92-1.12
+# over 20-64 rows, against 0.96-1.52 over 80-256 at bucket 16 and 1.8-5.3 over 240-1024 at 64), so the width's price
+# was the drafting table's noise: at c=1 / 0.85 width_plan chose 14 (a 16-row drafting once measured 0.95 ms against
+# 0.75 at 14) and plans of ~12, 2.27x ar against 2.35x for hybridspec-nowidth and budget's 2.37 (one call, two runs
+# each, bench/NOTES.md 2026-12-02 16:15 session); from c=16 on width pricing gained up to 7-11% (c=16 / 0.85,
+# c=64 / 0.7). Buckets below price the measured drafting and the rest of the step as sunk (budget_plan's overhead)
+WIDTH_FROM = 8
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
 # the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan's and the
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
@@ -729,7 +737,7 @@ class LengthPolicy:
         planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.) Where the
         bucket has measured its drafting and the rest of its steps, the longest length c is chosen with the drafting
         it implies (width_plan, every WIDTH_EVERY plans) and the plans between search within it; else the measured
-        overhead is priced as sunk."""
+        overhead is priced as sunk (so too below the WIDTH_FROM bucket)."""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         b = SpeculationGate.bucket(len(tokens))
         choice = self._width_choice.get(b)
@@ -767,11 +775,11 @@ class LengthPolicy:
     def _width_overheads(self, bucket: int, caps: list[int]) -> list[float] | None:
         """[C + 1] for width_plan (C: the longest cap of the step): the overhead of a drafted step whose plans
         stay <= c, c = 1..C: the rest of the step (measured) + the drafter's ms for blocks of c + DRAFT_MARGIN
-        (at most max_verify_len) plus the pending token per drafting request (DraftCost); None where this
-        bucket has not measured both, or this step's drafting was not timed (plans then price the measured
-        overhead as sunk)."""
+        (at most max_verify_len) plus the pending token per drafting request (DraftCost); None below the
+        WIDTH_FROM bucket, where this bucket has not measured both, or where this step's drafting was not timed
+        (plans then price the measured overhead as sunk)."""
         draft = self.draft_costs.get(bucket)
-        if not self.plans_width or draft is None or not draft.measured or bucket not in self.rest_overhead_ms \
+        if not self.plans_width or bucket < WIDTH_FROM or draft is None or not draft.measured or bucket not in self.rest_overhead_ms \
                 or self._draft_now is None:
             return None
         n = sum(1 for c in caps if c > 0)
