@@ -1844,6 +1844,21 @@ def test_hybridspec_chooses_the_longest_length_every_few_plans_and_plans_within_
     assert list(policy.planned_max[8]) == [c] * WIDTH_EVERY + [max(again)]
 
 
+def test_width_from_reads_its_switch_and_names_the_allowed_values(monkeypatch):
+    """HYBRIDSPEC_WIDTH_FROM (A/B measurement): a batch-size bucket, a power of two >= 1; 8 by default."""
+    from workers.policy import width_from
+
+    monkeypatch.delenv("HYBRIDSPEC_WIDTH_FROM", raising=False)
+    assert width_from() == 8
+    for value, expected in (("1", 1), ("16", 16)):
+        monkeypatch.setenv("HYBRIDSPEC_WIDTH_FROM", value)
+        assert width_from() == expected
+    for bad in ("0", "3", "-8", "x", ""):
+        monkeypatch.setenv("HYBRIDSPEC_WIDTH_FROM", bad)
+        with pytest.raises(ValueError, match="HYBRIDSPEC_WIDTH_FROM must be a power of two >= 1"):
+            width_from()
+
+
 def test_hybridspec_prices_the_drafting_as_sunk_below_the_width_bucket():
     """Below the WIDTH_FROM batch-size bucket (a latency-bound drafter: its ms hardly depend on the block, and the
     width's price was its table's noise) the plans make no width choice: budget_plan on the measured drafting and
@@ -1852,7 +1867,7 @@ def test_hybridspec_prices_the_drafting_as_sunk_below_the_width_bucket():
     from scheduler.planner import budget_plan
     from workers.policy import WIDTH_FROM, LengthPolicy
 
-    assert WIDTH_FROM == 8
+    assert WIDTH_FROM == 8  # (the default: HYBRIDSPEC_WIDTH_FROM unset in the tests)
     policy = LengthPolicy("hybridspec", _moe_config(num_experts=8, top_k=2), max_verify_len=16)
     policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.05, ms_per_expert=0.0)
     for b in (4, 8):

@@ -32,6 +32,19 @@ from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
 from workers.graphs import token_buckets
 
+
+def width_from() -> int:
+    """WIDTH_FROM's value: HYBRIDSPEC_WIDTH_FROM (a batch-size bucket: a power of two >= 1), 8 by default."""
+    raw = os.environ.get("HYBRIDSPEC_WIDTH_FROM", "8")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"HYBRIDSPEC_WIDTH_FROM must be a power of two >= 1 (a batch-size bucket), got {raw!r}")
+    return n
+
+
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
@@ -80,8 +93,9 @@ WIDTH_EVERY = 8
 # was the drafting table's noise: at c=1 / 0.85 width_plan chose 14 (a 16-row drafting once measured 0.95 ms against
 # 0.75 at 14) and plans of ~12, 2.27x ar against 2.35x for hybridspec-nowidth and budget's 2.37 (one call, two runs
 # each, bench/NOTES.md 2026-12-02 16:15 session); from c=16 on width pricing gained up to 7-11% (c=16 / 0.85,
-# c=64 / 0.7). Buckets below price the measured drafting and the rest of the step as sunk (budget_plan's overhead)
-WIDTH_FROM = 8
+# c=64 / 0.7). Buckets below price the measured drafting and the rest of the step as sunk (budget_plan's overhead).
+# HYBRIDSPEC_WIDTH_FROM (a power of two >= 1; 1: width_plan at every bucket, as before 3a915b1) for A/B measurement
+WIDTH_FROM = width_from()
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
 # the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan's and the
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
@@ -779,8 +793,8 @@ class LengthPolicy:
         WIDTH_FROM bucket, where this bucket has not measured both, or where this step's drafting was not timed
         (plans then price the measured overhead as sunk)."""
         draft = self.draft_costs.get(bucket)
-        if not self.plans_width or bucket < WIDTH_FROM or draft is None or not draft.measured or bucket not in self.rest_overhead_ms \
-                or self._draft_now is None:
+        if not self.plans_width or bucket < WIDTH_FROM or draft is None or not draft.measured \
+                or bucket not in self.rest_overhead_ms or self._draft_now is None:
             return None
         n = sum(1 for c in caps if c > 0)
         C = max(caps, default=0)
