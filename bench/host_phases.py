@@ -19,6 +19,10 @@ device's forward; a step with sampling rows only reads back inside its acceptanc
 `cp: post` from there to the execute's return, `cp: between` from the last execute's return to this one's start
 (the engine's loop), and `gpu: replay` the CUDA-event time of the target graph's replay alone (its GPU time; on
 CUDA only); `bucket R x T block B pages P` counts the steps that ran that graph (no time).
+
+`<policy>|threads|<thread name>` rows: the CPU time the process's threads used during the policy's last serve
+([cpu ms, threads, cpu ms / wall ms, wall ms]; `main` is the serving thread): worker threads of OpenMP or a BLAS
+that spin after a parallel region run on the serving thread's hyperthread sibling and slow every host part of it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import argparse
 import collections
 import functools
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +74,7 @@ class Phases:
         self.last_exit: float | None = None
         self.step: dict[str, float] = collections.defaultdict(float)  # label -> ms in the current step
         self.acc: dict[tuple[str | None, str, str], list[float]] = collections.defaultdict(list)  # per-step ms
+        self.threads: dict[str, list[float]] = {}  # add_threads' rows (the last serve of each policy)
 
     def wrap(self, owner: type, name: str, label: str) -> None:
         f = getattr(owner, name)
@@ -113,7 +120,11 @@ class Phases:
 
         def labelled_serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy=False):
             self.policy = name
-            return serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy)
+            before, t = thread_cpu_ms(), time.perf_counter()
+            try:
+                return serve(run, prompts, max_new, max_draft, page_size, num_pages, name, keep_policy)
+            finally:
+                self.add_threads(name, before, thread_cpu_ms(), (time.perf_counter() - t) * 1e3)
         e2e.serve = labelled_serve
 
     def install_critical_path(self) -> None:
@@ -178,6 +189,20 @@ class Phases:
             begin, end = self.replay_events
             self.step["gpu: replay"] = begin.elapsed_time(end)
 
+    def add_threads(self, name: str, before: dict, after: dict, wall_ms: float) -> None:
+        """A serve's CPU time by thread name (utime + stime from /proc, 10 ms ticks): the main thread and every
+        other one (OpenMP / BLAS workers that spin after a parallel region take the cycles of the main thread's
+        hyperthread sibling), as `threads|<name>` rows [cpu ms, threads, cpu ms / wall ms, wall ms]."""
+        by: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        main = threading.get_native_id()
+        for tid, (comm, ms) in after.items():
+            used = ms - before.get(tid, (comm, 0.0))[1]
+            key = "main" if tid == main else comm
+            by[key][0] += used
+            by[key][1] += 1
+        for key, (ms, n) in by.items():
+            self.threads[f"{name}|threads|{key}"] = [ms, n, ms / max(wall_ms, 1e-9), wall_ms]
+
     def record(self, run, requests) -> None:
         """Adds the current step's parts (self.step) if it is a served decode step of a reported batch size: no
         prefill chunk, and no graph captured in it (a capture is ~10-100x a step)."""
@@ -192,6 +217,21 @@ class Phases:
     def table(self) -> dict[str, list[float]]:
         return {f"{p}|{k}|{label}": [sum(ms), len(ms), sum(ms) / len(ms), statistics.median(ms)]
                 for (p, k, label), ms in sorted(self.acc.items(), key=lambda kv: tuple(str(x) for x in kv[0]))}
+
+
+def thread_cpu_ms() -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, CPU ms used so far) for this process's threads (Linux /proc; {} elsewhere)."""
+    out: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path("/proc/self/task").glob("*") if Path("/proc/self/task").exists() else []:
+        try:
+            stat = (task / "stat").read_text()
+            comm = (task / "comm").read_text().strip()
+        except OSError:  # the thread exited
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3
+        out[int(task.name)] = (comm, (int(fields[11]) + int(fields[12])) * 1e3 / tick)
+    return out
 
 
 def main() -> None:
@@ -210,9 +250,11 @@ def main() -> None:
     e2e.main()
     table = phases.table()
     Path(args.phases_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.phases_out).write_text(json.dumps(table, indent=1))
+    Path(args.phases_out).write_text(json.dumps({**table, **phases.threads}, indent=1))
     for key, (ms, n, per, median) in table.items():
         print(f"{key}: {per:.3f} ms (median {median:.3f}) x {int(n)}")
+    for key, (ms, n, share, wall) in phases.threads.items():  # (also in the JSON, beside the parts)
+        print(f"{key}: {ms:.0f} cpu ms in {int(n)} threads = {share:.2f} of the serve's {wall:.0f} ms")
 
 
 if __name__ == "__main__":
