@@ -618,6 +618,41 @@ def test_speculation_gate_peeks_its_next_verdict_without_counting_it():
     assert 0 < len(hints) < 2 * won[True] + 2 * (600 - won[True] - won[False]) + 20
 
 
+def test_speculation_gate_decides_a_peeked_step_once(monkeypatch):
+    """should_draft of the step would_draft peeked at (same batch size and sampling, nothing learned in between)
+    counts the peeked verdict without deciding again; a sample in between, another batch size or sampling, or
+    no peek at all make it decide afresh, and the decisions are the same either way."""
+    from workers.policy import SpeculationGate
+
+    gate = SpeculationGate()
+    for drafted, ms in ((True, 40.0), (False, 10.0)) * SpeculationGate.MIN_SAMPLES:
+        gate.observe(4, drafted, 12 if drafted else 4, ms)  # plain decoding leads bucket 4
+    calls = []
+    verdict = gate._verdict
+    monkeypatch.setattr(gate, "_verdict", lambda *a: calls.append(a) or verdict(*a))
+
+    def decided(peek: dict, step: dict, between=None) -> int:
+        calls.clear()
+        peeked = gate.would_draft(**peek)
+        if between is not None:
+            between()
+        asked = gate.asked.get(4, 0)
+        assert gate.should_draft(**step) == peeked or between is not None
+        assert gate.asked.get(4, 0) in (0, asked + 1)  # counted (a probe resets the clock)
+        return len(calls)
+
+    assert decided({"batch_size": 4, "sampled": True}, {"batch_size": 4, "sampled": True}) == 1
+    assert decided({"batch_size": 4, "sampled": False}, {"batch_size": 4, "sampled": False}) == 1
+    assert decided({"batch_size": 4, "sampled": False}, {"batch_size": 4, "sampled": True}) == 2
+    assert decided({"batch_size": 4, "sampled": True}, {"batch_size": 3, "sampled": True}) == 2
+    assert decided({"batch_size": 4, "sampled": True}, {"batch_size": 4, "sampled": True},
+                   between=lambda: gate.observe(4, False, 4, 10.0)) == 2
+    calls.clear()
+    gate.should_draft(4, sampled=True)  # no peek before it
+    gate.should_draft(4, sampled=True)  # (the last step's peek was used once)
+    assert len(calls) == 2
+
+
 def test_speculation_gate_margin_gives_near_ties_to_plain_decoding(monkeypatch):
     """SPEC_MARGIN: speculation must beat plain decoding's rate by that fraction to win a measured bucket."""
     from workers.policy import SpeculationGate
@@ -960,9 +995,10 @@ def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
         return result
 
     runner.execute = execute
-    runner.policy.drafts_next = lambda contexts, sampled=True: True
+    next_step = runner.policy.next_step
+    runner.policy.next_step = lambda b, contexts, thin=True: (next_step(b, contexts, thin)[0], True)  # drafts next
     serve(runner, prompts, 12, 8, page_size, num_pages, "hybridspec", keep_policy=True)
-    del runner.execute, runner.policy.drafts_next
+    del runner.execute, runner.policy.next_step
     decodes = []
     for work, result, cap, plain in steps:
         if all(len(w.tokens) == 1 and w.context_len > 0 for w in work):
@@ -2036,8 +2072,8 @@ def test_a_step_that_reads_nothing_back_starts_the_next_cycle_on_an_event(monkey
     model, runner, prompts, greedy, page_size, num_pages, serve, _ = _tiny_served(4)
     runner.set_policy("hybridspec", 8)  # (a fresh _StepEnds of the stand-in kind)
     runner.drafter = types.SimpleNamespace(name="none", release=lambda ids: None)  # (never asked to draft here)
-    monkeypatch.setattr(runner.policy, "wants_cycle", lambda b: True)
-    monkeypatch.setattr(runner.policy, "drafts_next", lambda contexts, sampled=True: False)  # the hint: plain
+    monkeypatch.setattr(runner.policy, "wants_cycle", lambda b: True)  # (after a prefill chunk)
+    monkeypatch.setattr(runner.policy, "next_step", lambda b, contexts, thin=True: (True, False))  # the hint: plain
     chunk = StepRequest("p", [3, 4, 5, 6], 0, [0], 0, False, SamplingParams(), 0, [])
     runner._hinted_plain = True
     runner.execute([chunk])

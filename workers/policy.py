@@ -227,6 +227,8 @@ class SpeculationGate:
         # per bucket: whether its last verdict left plain decoding unexplored (too few plain samples, speculation
         # ahead of the optimistic plain hint): its speculative cycles are then timed every SAMPLE_EVERY-th step
         self.plain_unexplored: dict[int, bool] = {}
+        self._peek: tuple | None = None  # would_draft's (batch size, sampled, _verdict) for the next should_draft
+        self._spacings: dict[tuple[int, bool], int] = {}  # (bucket, ahead) -> probe_spacing until the next sample
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -249,6 +251,7 @@ class SpeculationGate:
         if near > b:  # a smaller batch than the neighbour's: speculation's lead is at least the neighbour's
             self.rate[(b, True)] = max(self.rate[(b, True)], self.rate[(b, False)] * (1.0 + self.SPEC_MARGIN))
         self.inherited.add(b)
+        self._spacings.clear()
 
     def wants_sample(self, batch_size: int) -> bool:
         """Whether the next step after one at this batch size should be sampled (its cycle timed): always while a
@@ -270,7 +273,7 @@ class SpeculationGate:
             # the cycle's read, ~0.12 ms of a 7.4 ms step on the H200 host)
             if not (self.plain_unexplored.get(b) and self.samples.get((b, False), 0) < least):
                 return True
-        elif self.asked.get(b, 0) + 1 >= self.probe_spacing(b, self.rate[(b, True)], self.rate[(b, False)], False):
+        elif self.asked.get(b, 0) + 1 >= self._spacing(b, False):
             return True  # a probe is due (without the hint: sooner)
         self.ticks[b] = self.ticks.get(b, 0) + 1
         return self.ticks[b] % self.SAMPLE_EVERY == 0
@@ -283,8 +286,12 @@ class SpeculationGate:
         the next timed step). `only_plain`: the step decodes plainly whatever the verdict (the runner's hint
         reserved no drafts): a verdict to draft is not counted (a due probe stays due) and answers True."""
         b = self.bucket(batch_size)
-        self._inherit(b)
-        draft, measured, probe = self._verdict(b, plain_hint, sampled)
+        peek, self._peek = self._peek, None
+        if peek is not None and peek[0] == batch_size and peek[1] == sampled:
+            draft, measured, probe = peek[2]  # would_draft's verdict for this step: nothing was learned since
+        else:
+            self._inherit(b)
+            draft, measured, probe = self._verdict(b, plain_hint, sampled)
         if draft and only_plain:
             return True
         if measured:
@@ -297,11 +304,17 @@ class SpeculationGate:
         """should_draft's answer for the next step at this batch size, counting nothing (the runner's draft-cap
         hint: the scheduler reserves draft pages only for a step that will draft; it does record, as every
         verdict, whether the bucket leaves plain decoding unexplored). A bucket met for the first time answers
-        True (its inherited verdict is settled when the step comes)."""
+        True (its inherited verdict is settled when the step comes). The verdict is kept for should_draft of the
+        next step of this batch size and sampling, which then only counts it (the gate learns nothing in between: a
+        step's samples arrive at its end, before the runner peeks; observe drops a kept verdict): one verdict a
+        step, not two."""
         b = self.bucket(batch_size)
         if (b, True) not in self.samples and (b, False) not in self.samples:
+            self._peek = None
             return True
-        return self._verdict(b, plain_hint, sampled)[0]
+        verdict = self._verdict(b, plain_hint, sampled)
+        self._peek = (batch_size, sampled, verdict)
+        return verdict[0]
 
     def _verdict(self, b: int, plain_hint: float | None | Callable[[], float | None],
                  sampled: bool) -> tuple[bool, bool, bool]:
@@ -327,8 +340,15 @@ class SpeculationGate:
             return lead, False, False
         spec, plain = self.rate[(b, True)], self.rate[(b, False)]
         spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
-        probe = sampled and self.asked.get(b, 0) + 1 >= self.probe_spacing(b, spec, plain, spec_wins and ahead())
+        probe = sampled and self.asked.get(b, 0) + 1 >= self._spacing(b, spec_wins and ahead())
         return spec_wins != probe, True, probe
+
+    def _spacing(self, b: int, ahead: bool) -> int:
+        """probe_spacing at bucket b's rates, kept until the gate learns a sample (two calls a step otherwise)."""
+        n = self._spacings.get((b, ahead))
+        if n is None:
+            n = self._spacings[(b, ahead)] = self.probe_spacing(b, self.rate[(b, True)], self.rate[(b, False)], ahead)
+        return n
 
     def probe_spacing(self, b: int, spec: float, plain: float, ahead: bool) -> int:
         """Steps between probes of the losing side: PROBE, times the loser's gap to the winner in GAP_UNITs (a
@@ -344,6 +364,8 @@ class SpeculationGate:
     def observe(self, batch_size: int, drafted: bool, tokens: float, step_ms: float) -> None:
         if step_ms <= 0 or tokens <= 0:  # (no decode step yields no token)
             return
+        self._peek = None  # (a verdict peeked before this sample is stale, and so are the probe spacings)
+        self._spacings.clear()
         b = self.bucket(batch_size)
         key = (b, drafted)
         tok = tokens / max(1, batch_size)
@@ -570,6 +592,19 @@ class LengthPolicy:
         if self.gate is None or not self.warm():
             return True
         return self.gate.would_draft(len(contexts), lambda: self._plain_hint(contexts), sampled)
+
+    def next_step(self, batch_size: int, contexts: Callable[[], list[int]], thin: bool = True) -> tuple[bool, bool]:
+        """The runner's end of a decode step, for the next step of batch_size requests (`contexts`: a function
+        returning their context lengths, called only where a verdict needs the plain hint): (wants_cycle: time its
+        cycle, drafts_next at the sampling it will have: timed, or every step where the runner does not thin its
+        cycles) in one call; the verdict is kept for that step's should_draft (SpeculationGate.would_draft)."""
+        gate = self.gate
+        if gate is None:
+            return False, True
+        sample = gate.wants_sample(batch_size)
+        if not self.warm():
+            return sample, True
+        return sample, gate.would_draft(batch_size, lambda: self._plain_hint(contexts()), sample or not thin)
 
     def _plain_hint(self, contexts: list[int]) -> float | None:
         """The latency model's plain step of len(contexts) tokens as output tokens per ms per request (the gate's

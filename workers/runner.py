@@ -605,18 +605,25 @@ class ModelRunner:
                 self._stats_due = True
             else:
                 result.policy_stats = self._policy_stats()
-        sample_next = gated and self.policy.wants_cycle(len(requests))
+        sample_next = False
         if decode_only and self.drafter is not None and self.policy.name != "ar":
             # the scheduler's next reservation: the drafts per request worth drafting at this batch size, none
             # where the gate will decode the next step plainly (its reserved pages would go back unused, and
             # longer page tables can move the step to a wider graph bucket). A step with a prefill reports no
-            # hint: the scheduler keeps the last one, and so does _hinted_plain
+            # hint: the scheduler keeps the last one, and so does _hinted_plain. The gate's two questions about
+            # the next step (time its cycle? draft?) in one call, its verdict kept for that step
             cap = self.policy.draft_cap(len(requests))
             result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
-            self._hinted_plain = gated and not self.policy.drafts_next(
-                [r.context_len + keep[i] for i, r in enumerate(requests)], self._ends.samples(sample_next))
+            if gated:
+                sample_next, drafts = self.policy.next_step(
+                    len(requests), lambda: [r.context_len + keep[i] for i, r in enumerate(requests)], self._ends.thin)
+                self._hinted_plain = not drafts
+            else:
+                self._hinted_plain = False
             if self._hinted_plain:
                 result.draft_cap_hint = 0
+        elif gated:
+            sample_next = self.policy.wants_cycle(len(requests))
         if gated:  # (after the hint: its host time is this step's, not the next cycle's)
             self._ends.resumed(sample_next, host=self._hinted_plain and not launched_after)
         result.step_ms = (time.perf_counter() - start) * 1e3
