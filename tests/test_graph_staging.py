@@ -51,7 +51,7 @@ def test_staging_holds_every_steps_inputs_across_a_sequence_of_steps():
     rng = random.Random(0)
     graphs = StepGraphs.__new__(StepGraphs)
     graphs.spare_page, graphs.spare_slot, graphs.max_block = SPARE_PAGE, SPARE_SLOT, 5
-    graphs.tokens, graphs.width, graphs.failed = token_buckets(8 * 5), 16, {}
+    graphs.tokens, graphs.width, graphs.failed, graphs.blocks = token_buckets(8 * 5), 16, {}, [5]
     staged: dict[BucketKey, types.SimpleNamespace] = {}  # each bucket keeps its array from step to step
     reused = 0
     for max_block in (1, 5):  # plain decode and verification steps
@@ -88,7 +88,7 @@ def test_a_plain_decode_stretch_writes_only_its_per_request_inputs():
     bucket, a verification step in another, and back."""
     graphs = StepGraphs.__new__(StepGraphs)
     graphs.spare_page, graphs.spare_slot, graphs.max_block = SPARE_PAGE, SPARE_SLOT, 5
-    graphs.tokens, graphs.width, graphs.failed = token_buckets(8 * 5), 16, {}
+    graphs.tokens, graphs.width, graphs.failed, graphs.blocks = token_buckets(8 * 5), 16, {}, [5]
     full = {"n": 0}
     padding_lens = graphs._padding_lens
 

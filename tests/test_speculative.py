@@ -306,6 +306,7 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance, monk
     mechanism is what is under test."""
     if policy == "hybridspec":
         _send_extra_tokens_everywhere(monkeypatch)
+    monkeypatch.setenv("HYBRIDSPEC_BLOCK_BUCKETS", "3")
     llm = with_static_graphs(LLM(spec="replay", policy=policy, max_verify_len=6, replay_acceptance=acceptance))
     for prompt, ref in list(zip(PROMPTS, reference))[::2]:  # mixed steps: some requests never draft
         llm.set_replay_reference(prompt, ref)
@@ -313,7 +314,9 @@ def test_graph_path_verification_is_lossless(reference, policy, acceptance, monk
     assert tokens == reference
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
     graphs = llm.engine.executor.runner.step_graphs()
-    assert {k.max_block for k in graphs.graphs} == {1, 7}  # plain decode and verification buckets both ran
+    # plain decode and verification buckets both ran, verification in the block bucket of 3 tokens a request
+    # (its kernels' hint: padding requests in blocks of at most 3) and in the set's own block (7)
+    assert {k.max_block for k in graphs.graphs} == {1, 3, 7}
     if policy == "hybridspec":  # plain buckets skip the router correction and the routing counts
         for key, g in graphs.graphs.items():
             assert g.plain == (key.max_block == 1) and g.corrects != g.plain
@@ -581,6 +584,30 @@ def test_graph_padding_blocks_are_no_longer_than_the_real_blocks():
         pad(2, 4, 11, 5, 1)
     # a bucket has enough padding requests for its largest padding in blocks of PAD_BLOCK
     _check_padding_requests(token_buckets(64 * 17))
+
+
+def test_verification_buckets_take_the_smallest_block_that_holds_the_step(monkeypatch):
+    """A verification step's graph is the one of the smallest block bucket (BLOCK_BUCKETS below the set's
+    max_block, then max_block) that holds its longest block: the kernels' tiles follow the graph's block.
+    HYBRIDSPEC_BLOCK_BUCKETS switches them ("0": none) and names what it allows."""
+    from workers.graphs import StepGraphs, block_buckets, token_buckets
+
+    def blocks(max_block: int) -> list[int]:
+        graphs = StepGraphs.__new__(StepGraphs)
+        graphs.max_block, graphs.width, graphs.tokens, graphs.failed = max_block, 64, token_buckets(64 * 17), {}
+        graphs.blocks = sorted(b for b in block_buckets() if b < max_block) + [max_block]
+        return [graphs.bucket(4, 4 * n, n, 8).max_block for n in range(1, max_block + 1)]
+
+    assert blocks(17) == [1] + [8] * 7 + [16] * 8 + [17]
+    assert blocks(5) == [1, 5, 5, 5, 5]  # a set with a small block keeps its own
+    monkeypatch.setenv("HYBRIDSPEC_BLOCK_BUCKETS", "0")
+    assert blocks(17) == [1] + [17] * 16
+    monkeypatch.setenv("HYBRIDSPEC_BLOCK_BUCKETS", "4,12")
+    assert blocks(17) == [1] + [4] * 3 + [12] * 8 + [17] * 5
+    for bad in ("1", "a,8", ""):
+        monkeypatch.setenv("HYBRIDSPEC_BLOCK_BUCKETS", bad)
+        with pytest.raises(ValueError, match="HYBRIDSPEC_BLOCK_BUCKETS must be"):
+            block_buckets()
 
 
 def _check_padding_requests(tokens):

@@ -1,10 +1,9 @@
 """CUDA graphs for decode and verification steps (no prefill chunk in the step).
 
-A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block 1 or up to `max_block`) over
-static input buffers; a step writes its ragged batch into the bucket's pinned host staging buffer (one int64
-array), copies it to the device in one transfer and replays: the graph itself unpacks the staging array into the
-typed inputs. One graph runs the
-forward (GDN/conv state advanced only for the requests in the write mask, block inputs kept for the commit,
+A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block 1 or a block bucket up to
+`max_block`) over static input buffers; a step writes its ragged batch into the bucket's pinned host staging
+buffer (one int64 array), copies it to the device in one transfer and replays: the graph itself unpacks the
+staging array into the typed inputs. One graph runs the forward (GDN/conv state advanced only for the requests in the write mask, block inputs kept for the commit,
 router correction of extra tokens, distinct experts per MoE layer) and a second one the commit of the accepted
 tokens. Nothing inside a step synchronizes with the host: attention and GDN take the bucket's sizes as hints and
 read the real lengths from device tensors.
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -54,8 +54,33 @@ EVICT_EVERY = 32  # runs of a full graph set between two evictions (more often: 
 STALE_RUNS_PER_GRAPH = 4
 PAD_BLOCK = 4  # a bucket has padding requests for its largest padding in blocks of this many tokens (or max block)
 MIN_TABLE_PAGES = 16  # narrowest page table of a graph (contexts up to 16 pages share one)
+# verification buckets' block (the most tokens a request verifies) below the set's max_block: the kernels size
+# their tiles by a graph's block, which is their hint for every step in it (GDN verification: 32-token tiles past 16
+# tokens, attention: a query tile per 8 tokens of a request at GQA 8). With one verification block (17) hybridspec's
+# steps of <= 6 tokens a request at c=64 / 0.7 replayed in 17.64 ms against fixed4's 16.55 in its block-5 graph
+# (bench/host_phases.py at c72c819). HYBRIDSPEC_BLOCK_BUCKETS: a comma list of blocks, "0" for none (A/B)
+BLOCK_BUCKETS = (8, 16)
 _EXTRA0_MASK1 = np.array([[0], [1]], dtype=np.int64)  # staging: a real row is no extra token and unmasked
 log = logging.getLogger(__name__)
+
+
+def block_buckets() -> tuple[int, ...]:
+    """BLOCK_BUCKETS, or HYBRIDSPEC_BLOCK_BUCKETS (a comma list of blocks >= 2; "0": none, one verification block)."""
+    raw = os.environ.get("HYBRIDSPEC_BLOCK_BUCKETS")
+    if raw is None:
+        return BLOCK_BUCKETS
+    if raw.strip() == "0":
+        return ()
+    try:
+        blocks = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        blocks = ()
+    if not blocks or min(blocks) < 2:
+        raise ValueError(f"HYBRIDSPEC_BLOCK_BUCKETS must be '0' or a comma list of integers >= 2, got {raw!r}")
+    return blocks
+
+
+block_buckets()  # a bad HYBRIDSPEC_BLOCK_BUCKETS fails at import, not at the first verification step
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -79,7 +104,7 @@ def token_buckets(limit: int) -> list[int]:
 class BucketKey:
     requests: int  # Bb
     tokens: int  # Nb
-    max_block: int  # 1 (plain decode) or the runner's largest block (verification)
+    max_block: int  # 1 (plain decode), or a verification block: one of BLOCK_BUCKETS below the set's, or its own
     pages: int = 0  # page-table width: a power of two >= MIN_TABLE_PAGES covering the longest context
 
 
@@ -164,6 +189,7 @@ class StepGraphs:
         # buckets (nothing to commit there): each kept scratch costs ~Nb x GDN layers x 28 KB at real shapes
         self.commits = commits
         self.tokens = token_buckets(max_tokens)
+        self.blocks = sorted(b for b in block_buckets() if b < max_block) + [max_block]  # verification's blocks
         self.graphs: OrderedDict[BucketKey, _Graph] = OrderedDict()  # least recently used first
         self.evictions = 0  # graphs dropped to make room (max_graphs) for a new bucket
         self._runs_since_evict = EVICT_EVERY
@@ -187,7 +213,8 @@ class StepGraphs:
             return None
         # attention plans its KV splits for the table's width, so short contexts get a narrow table
         pages = min(self.width, max(MIN_TABLE_PAGES, 1 << max(0, max_pages - 1).bit_length()))
-        key = BucketKey(reqs, toks, 1 if max_block == 1 else self.max_block, pages)
+        block = 1 if max_block == 1 else next(b for b in self.blocks if b >= max_block)
+        key = BucketKey(reqs, toks, block, pages)
         if key in self.failed:
             return None
         return key
