@@ -653,6 +653,22 @@ def test_speculation_gate_decides_a_peeked_step_once(monkeypatch):
     assert len(calls) == 2
 
 
+def test_a_step_without_a_peek_drops_the_kept_verdict():
+    """LengthPolicy.wants_cycle (the runner's end of a step with a prefill chunk, which peeks at no next verdict)
+    drops a verdict kept from an earlier peek: the next decode step decides on its own contexts."""
+    from workers.bench_model import qwen36_35b_a3b_config
+    from workers.policy import LengthPolicy
+
+    policy = LengthPolicy("hybridspec", qwen36_35b_a3b_config(num_layers=2))
+    gate = policy.gate
+    for drafted, ms in ((True, 40.0), (False, 10.0)) * gate.MIN_SAMPLES:
+        gate.observe(4, drafted, 12 if drafted else 4, ms)
+    gate.would_draft(4, sampled=True)
+    assert gate._peek is not None
+    policy.wants_cycle(4)
+    assert gate._peek is None
+
+
 def test_speculation_gate_margin_gives_near_ties_to_plain_decoding(monkeypatch):
     """SPEC_MARGIN: speculation must beat plain decoding's rate by that fraction to win a measured bucket."""
     from workers.policy import SpeculationGate

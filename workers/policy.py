@@ -306,8 +306,8 @@ class SpeculationGate:
         verdict, whether the bucket leaves plain decoding unexplored). A bucket met for the first time answers
         True (its inherited verdict is settled when the step comes). The verdict is kept for should_draft of the
         next step of this batch size and sampling, which then only counts it (the gate learns nothing in between: a
-        step's samples arrive at its end, before the runner peeks; observe drops a kept verdict): one verdict a
-        step, not two."""
+        step's samples arrive at its end, before the runner peeks; observe drops a kept verdict, and so does a
+        step that peeks at nothing, LengthPolicy.wants_cycle): one verdict a step, not two."""
         b = self.bucket(batch_size)
         if (b, True) not in self.samples and (b, False) not in self.samples:
             self._peek = None
@@ -576,8 +576,13 @@ class LengthPolicy:
         return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
 
     def wants_cycle(self, batch_size: int) -> bool:
-        """Whether hybridspec's gate wants the next step's cycle timed (SpeculationGate.wants_sample)."""
-        return self.gate is not None and self.gate.wants_sample(batch_size)
+        """Whether hybridspec's gate wants the next step's cycle timed (SpeculationGate.wants_sample), after a step
+        that peeks at no next verdict (the runner: one with a prefill chunk; a decode step asks next_step): a
+        verdict kept from before it is dropped (the next decode step decides afresh, on its own contexts)."""
+        if self.gate is None:
+            return False
+        self.gate._peek = None
+        return self.gate.wants_sample(batch_size)
 
     def should_draft(self, contexts: list[int], sampled: bool = True, only_plain: bool = False) -> bool:
         """Whether a decode step of len(contexts) requests drafts at all (hybridspec's gate; others always);
