@@ -56,7 +56,7 @@ PARTS = ((runner.ModelRunner, "flush_learning", "flush_learning"), (graphs.StepG
          (policy.LengthPolicy, "extra_tokens", "extra_tokens"), (policy.LengthPolicy, "observe", "observe"),
          (policy.LengthPolicy, "observe_outcome", "observe_outcome"), (policy.LengthPolicy, "stats", "stats"),
          (policy.LengthPolicy, "fold_counts", "fold_counts"), (policy.LengthPolicy, "wants_cycle", "wants_cycle"),
-         (policy.LengthPolicy, "draft_cap", "draft_cap"), (policy.LengthPolicy, "drafts_next", "drafts_next"),
+         (policy.LengthPolicy, "draft_cap", "draft_cap"),
          (policy.LengthPolicy, "next_step", "next_step"),
          (policy.LengthPolicy, "keep_counts", "keep_counts"), (runner._StepEnds, "mark", "gate: mark"),
          (runner._StepEnds, "step_ended", "gate: step_ended"), (runner._StepEnds, "resumed", "gate: resumed"),

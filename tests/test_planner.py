@@ -653,6 +653,51 @@ def test_speculation_gate_decides_a_peeked_step_once(monkeypatch):
     assert len(calls) == 2
 
 
+def test_served_steps_reuse_only_verdicts_a_fresh_decision_would_give(monkeypatch):
+    """Over a served hybridspec run (the runner's own call order: next_step at a step's end, should_draft at the
+    next one's start, prefill chunks between), every kept verdict that should_draft counts equals the verdict the
+    gate would reach afresh on that step's own contexts; and a kept verdict that read the plain hint is not
+    reused for a step of other contexts."""
+    import torch
+
+    from workers.drafters import DraftModelDrafter, ReplayDrafter
+    from workers.policy import SpeculationGate
+
+    checked = {"reused": 0, "fresh": 0, "mismatch": 0}
+    should_draft = SpeculationGate.should_draft
+
+    def checking(gate, batch_size, plain_hint=None, sampled=True, only_plain=False):
+        peek = gate._peek
+        if peek is not None and peek[0] == batch_size and peek[1] == sampled:
+            checked["reused"] += 1
+            unexplored = dict(gate.plain_unexplored)
+            checked["mismatch"] += gate._verdict(gate.bucket(batch_size), plain_hint, sampled) != peek[2]
+            gate.plain_unexplored = unexplored
+        else:
+            checked["fresh"] += 1
+        return should_draft(gate, batch_size, plain_hint, sampled, only_plain)
+    monkeypatch.setattr(SpeculationGate, "should_draft", checking)
+    model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(40, conc=4)
+    cfg = model.config
+    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, len(prompts))
+    replay = ReplayDrafter(0.6, cfg.vocab_size, seed=3, cost_model=cost)
+    for p, cont in zip(prompts, greedy):
+        replay.set_reference(p, cont + [0] * 20)
+    runner.drafter = replay
+    assert serve(runner, prompts, 40, 8, page_size, num_pages, "hybridspec").tokens == greedy
+    assert checked["reused"] > 10 and checked["mismatch"] == 0, checked
+    # a verdict kept on the hint of other contexts (a step of the same size with other requests) is not reused
+    policy = runner.policy
+    gate = policy.gate
+    gate.samples[(4, True)], gate.rate[(4, True)] = gate.MIN_SAMPLES, 1.0  # bucket 4: speculation measured ...
+    gate.samples.pop((4, False), None)  # ... plain decoding not: the verdict reads the plain hint
+    sample, drafts = policy.next_step(4, lambda: [100, 101, 102, 103])
+    assert policy._peek_contexts == [100, 101, 102, 103] and gate._peek is not None
+    reused = checked["reused"]
+    policy.should_draft([200, 201, 202, 203], sampled=gate._peek[1])
+    assert checked["reused"] == reused and gate._peek is None
+
+
 def test_a_step_without_a_peek_drops_the_kept_verdict():
     """LengthPolicy.wants_cycle (the runner's end of a step with a prefill chunk, which peeks at no next verdict)
     drops a verdict kept from an earlier peek: the next decode step decides on its own contexts."""

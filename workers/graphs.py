@@ -3,9 +3,9 @@
 A graph is captured lazily for each bucket (Bb requests, Nb tokens, max block 1 or a block bucket up to
 `max_block`) over static input buffers; a step writes its ragged batch into the bucket's pinned host staging
 buffer (one int64 array), copies it to the device in one transfer and replays: the graph itself unpacks the
-staging array into the typed inputs. One graph runs the forward (GDN/conv state advanced only for the requests in the write mask, block inputs kept for the commit,
-router correction of extra tokens, distinct experts per MoE layer) and a second one the commit of the accepted
-tokens. Nothing inside a step synchronizes with the host: attention and GDN take the bucket's sizes as hints and
+staging array into the typed inputs. One graph runs the forward (GDN/conv state advanced only for the requests
+in the write mask, block inputs kept for the commit, router correction of extra tokens, distinct experts per MoE
+layer) and a second one the commit of the accepted tokens. Nothing inside a step synchronizes with the host: attention and GDN take the bucket's sizes as hints and
 read the real lengths from device tensors.
 
 Buckets also differ by page-table width (a power of two covering the longest context), since attention plans

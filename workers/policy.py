@@ -522,6 +522,7 @@ class LengthPolicy:
         self.planned_max: dict[int, deque[int]] = {}  # per batch-size bucket: longest length of recent plans
         # draft_cap's per bucket, with the window it was read from; dropped when a plan there is made
         self._draft_caps: dict[int, tuple] = {}
+        self._peek_contexts: list[int] | None = None  # the contexts whose plain hint next_step's kept verdict read
 
     @property
     def uses_extra_token(self) -> bool:
@@ -581,7 +582,7 @@ class LengthPolicy:
         verdict kept from before it is dropped (the next decode step decides afresh, on its own contexts)."""
         if self.gate is None:
             return False
-        self.gate._peek = None
+        self.gate._peek, self._peek_contexts = None, None
         return self.gate.wants_sample(batch_size)
 
     def should_draft(self, contexts: list[int], sampled: bool = True, only_plain: bool = False) -> bool:
@@ -590,26 +591,31 @@ class LengthPolicy:
         should_draft: True is then a verdict the step misses, not counted)."""
         if self.gate is None or not self.warm():  # (the last step's sample may still be on its way: not waited for)
             return True
+        if self._peek_contexts is not None:  # a kept verdict read the hint of other contexts: decided afresh
+            if self._peek_contexts != contexts:
+                self.gate._peek = None
+            self._peek_contexts = None
         return self.gate.should_draft(len(contexts), lambda: self._plain_hint(contexts), sampled, only_plain)
-
-    def drafts_next(self, contexts: list[int], sampled: bool = True) -> bool:
-        """should_draft's answer for a next step of these contexts, counting nothing (SpeculationGate.would_draft)."""
-        if self.gate is None or not self.warm():
-            return True
-        return self.gate.would_draft(len(contexts), lambda: self._plain_hint(contexts), sampled)
 
     def next_step(self, batch_size: int, contexts: Callable[[], list[int]], thin: bool = True) -> tuple[bool, bool]:
         """The runner's end of a decode step, for the next step of batch_size requests (`contexts`: a function
         returning their context lengths, called only where a verdict needs the plain hint): (wants_cycle: time its
-        cycle, drafts_next at the sampling it will have: timed, or every step where the runner does not thin its
-        cycles) in one call; the verdict is kept for that step's should_draft (SpeculationGate.would_draft)."""
+        cycle, and should_draft's answer for it at the sampling it will have: timed, or every step where the runner
+        does not thin its cycles; SpeculationGate.would_draft) in one call. The verdict is kept for that step's
+        should_draft; where it read the plain hint, only for a step of the same contexts (the hint is all of the
+        verdict that depends on them: a step of the same size can hold other requests)."""
         gate = self.gate
+        self._peek_contexts = None
         if gate is None:
             return False, True
         sample = gate.wants_sample(batch_size)
         if not self.warm():
             return sample, True
-        return sample, gate.would_draft(batch_size, lambda: self._plain_hint(contexts()), sample or not thin)
+
+        def hint() -> float | None:
+            self._peek_contexts = contexts()
+            return self._plain_hint(self._peek_contexts)
+        return sample, gate.would_draft(batch_size, hint, sample or not thin)
 
     def _plain_hint(self, contexts: list[int]) -> float | None:
         """The latency model's plain step of len(contexts) tokens as output tokens per ms per request (the gate's
