@@ -658,9 +658,6 @@ def test_served_steps_reuse_only_verdicts_a_fresh_decision_would_give(monkeypatc
     next one's start, prefill chunks between), every kept verdict that should_draft counts equals the verdict the
     gate would reach afresh on that step's own contexts; and a kept verdict that read the plain hint is not
     reused for a step of other contexts."""
-    import torch
-
-    from workers.drafters import DraftModelDrafter, ReplayDrafter
     from workers.policy import SpeculationGate
 
     checked = {"reused": 0, "fresh": 0, "mismatch": 0}
@@ -678,12 +675,7 @@ def test_served_steps_reuse_only_verdicts_a_fresh_decision_would_give(monkeypatc
         return should_draft(gate, batch_size, plain_hint, sampled, only_plain)
     monkeypatch.setattr(SpeculationGate, "should_draft", checking)
     model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(40, conc=4)
-    cfg = model.config
-    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, len(prompts))
-    replay = ReplayDrafter(0.6, cfg.vocab_size, seed=3, cost_model=cost)
-    for p, cont in zip(prompts, greedy):
-        replay.set_reference(p, cont + [0] * 20)
-    runner.drafter = replay
+    _replay_with_cost(model, runner, prompts, greedy, page_size, num_pages, drafter_model, 0.6)
     assert serve(runner, prompts, 40, 8, page_size, num_pages, "hybridspec").tokens == greedy
     assert checked["reused"] > 10 and checked["mismatch"] == 0, checked
     # a verdict kept on the hint of other contexts (a step of the same size with other requests) is not reused
@@ -973,6 +965,21 @@ def test_policy_gate_learns_cycles_with_the_plans_expected_tokens():
     policy.observe_cycle(4, True, 9.5, 19.0)
     assert policy.gate.rate[(4, True)] == pytest.approx(9.5 / 19.0 / 4)
     assert LengthPolicy("budget", cfg).observe_outcome(4, True, 6, step_ms=10.0) is None  # no gate
+
+
+def _replay_with_cost(model, runner, prompts, greedy, page_size, num_pages, drafter_model, acceptance: float):
+    """_tiny_served's runner drafts with a replay drafter at `acceptance` over the greedy continuations, with a
+    2-layer draft model's forward as its cost (as bench/e2e.py's DFlash-shaped drafter)."""
+    import torch
+
+    from workers.drafters import DraftModelDrafter, ReplayDrafter
+
+    cfg = model.config
+    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, len(prompts))
+    replay = ReplayDrafter(acceptance, cfg.vocab_size, seed=3, cost_model=cost)
+    for p, cont in zip(prompts, greedy):
+        replay.set_reference(p, cont + [0] * 20)
+    runner.drafter = replay
 
 
 def _tiny_served(new: int, conc: int = 2, page_size: int = 16):
@@ -1640,16 +1647,10 @@ def test_the_learnings_device_reads_are_queued_before_the_steps_read_back(monkey
     the copies then runs under the forward), and learns the same values: every timed step's observation carries
     the distinct experts read for it. Served on CPU (tiny bench model, replay drafter at acceptance 0.7)."""
     import workers.runner as runner_mod
-    from workers.drafters import DraftModelDrafter, ReplayDrafter
     from workers.policy import LengthPolicy
 
     model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(24)
-    cfg = model.config
-    cost = DraftModelDrafter(drafter_model(cfg, 2, torch.float32, "cpu"), num_pages, page_size, len(prompts))
-    replay = ReplayDrafter(0.7, cfg.vocab_size, seed=3, cost_model=cost)
-    for p, cont in zip(prompts, greedy):
-        replay.set_reference(p, cont + [0] * 20)
-    runner.drafter = replay
+    _replay_with_cost(model, runner, prompts, greedy, page_size, num_pages, drafter_model, 0.7)
     events: list[tuple] = []
     read, keep, accept = runner.__class__._read_distinct, LengthPolicy.keep_counts, runner_mod.accept
 
