@@ -365,6 +365,12 @@ def policy_report(policy: LengthPolicy, name: str, conc: int) -> dict:
             row[key] = pstats[key]
     if policy.extra_keep:  # the router correction's (kept, sent) extra tokens, decayed, per bucket
         row["extra_keep"] = {b: list(v) for b, v in policy.extra_keep.items()}
+    eg = policy.extra_gate
+    if eg is not None and sum(eg.decisions):  # ExtraGate: share of extras verdicts; per bucket [rate with extras,
+        # rate without (output tokens per ms per request), samples with, without]
+        row["extra_verdict_share"] = eg.share()
+        row["extra_gate_rates"] = {b: [eg.rate(b, True), eg.rate(b, False), eg.samples.get((b, True), 0),
+                                       eg.samples.get((b, False), 0)] for b in sorted({b for b, _ in eg.samples})}
     if name.startswith("hybridspec"):  # its forward cost at the cell's batch size, profile scale
         table = policy.cost_table(conc)
         if table is not None:

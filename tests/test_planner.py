@@ -1622,6 +1622,82 @@ def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket(monkeypatch):
     assert extras(keep=(0.0, 100.0)) == set()
 
 
+def test_extra_gate_measures_both_verdicts_then_follows_the_faster_and_probes_the_other():
+    """ExtraGate: per batch-size bucket, MIN_SAMPLES steps under the rule's verdict (extras) first, then as many
+    without, then the side with more output tokens per ms per request decides, and the other side is tried every
+    PROBE-th decision; the verdict follows the rates when they cross; buckets are independent; empty samples are
+    not learned."""
+    from workers.extra_gate import ExtraGate
+
+    g, n, probe = ExtraGate(), ExtraGate.MIN_SAMPLES, ExtraGate.PROBE
+    for _ in range(n):
+        assert g.sends(16)
+        g.observe(16, True, 2.5, 22.0)  # with extras: 0.114 tokens per ms per request
+    for _ in range(n):
+        assert not g.sends(16)
+        g.observe(16, False, 2.7, 22.0)  # without: 0.123
+    assert g.rate(16, True) == pytest.approx(2.5 / 22.0) and g.rate(16, False) == pytest.approx(2.7 / 22.0)
+    assert [g.sends(16) for _ in range(2 * probe)] == ([False] * (probe - 1) + [True]) * 2
+    assert g.sends(64) and g.rate(64, True) is None  # another bucket explores on its own
+    for _ in range(40):  # extras now measured faster
+        g.observe(16, True, 3.0, 20.0)
+    assert [g.sends(16) for _ in range(probe)] == [True] * (probe - 1) + [False]
+    before = dict(g.samples)
+    g.observe(16, True, 0.0, 20.0)
+    g.observe(16, False, 2.0, 0.0)
+    assert g.samples == before
+    assert 0.0 < g.share() < 1.0
+
+
+def test_hybridspec_sends_extra_tokens_only_where_its_steps_with_them_deliver_more():
+    """The router correction's rule on trial (LengthPolicy + ExtraGate): a drafted step that ran under the rule
+    counts its realized output tokens and ms for the extras side, one under the gate's 'none' verdict for the
+    other; where steps without extras measure faster, extra_tokens sends none but at the gate's probes; a plain
+    step learns nothing and drops the step's verdict; `hybridspec-ungatedextra` sends them at every step."""
+    from scheduler.latency_model import LatencyCoefs, TokenCostTable
+    from scheduler.planner import Plan
+    from workers.extra_gate import ExtraGate
+    from workers.policy import EXTRA_FROM, LengthPolicy, SlopeFloor
+
+    b = max(EXTRA_FROM, 16)
+    lengths = [2] * (b - 4) + [1] * 4  # 16 + 28 = 44 tokens: room for 4 extras under the 48-token bucket's top
+    survival = [[0.9 ** (j + 1) for j in range(8)] for _ in range(b)]
+    plan = Plan(lengths, expected_tokens=b * 3.0, step_ms=12.0)
+
+    def make(variant: str | None = None) -> LengthPolicy:
+        policy = LengthPolicy("hybridspec", _moe_config(), max_verify_len=8)
+        if variant:
+            policy.ablate(variant)
+        policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.002, ms_per_expert=0.0)
+        return policy
+
+    def step(policy: LengthPolicy, tokens_per_request: float, ms: float) -> set[int]:
+        cost = SlopeFloor(TokenCostTable([16, 64, 96], [10.0, 10.1, 10.2]), policy.latency.coefs.ms_per_token)
+        policy._last_plan, policy._predicted_ms = (survival, cost, plan, b), plan.step_ms
+        sent = policy.extra_tokens(lengths, [8] * b)
+        policy.observe_outcome(b, True, int(round(tokens_per_request * b)), ms)
+        return sent
+
+    policy, n = make(), ExtraGate.MIN_SAMPLES
+    assert all(step(policy, 2.5, 22.0) for _ in range(n))  # the rule's verdict first: it sends extras
+    assert not any(step(policy, 2.75, 22.0) for _ in range(n))  # then none, measured
+    eg = policy.extra_gate
+    assert eg.samples[(16, True)] == n and eg.samples[(16, False)] == n
+    assert eg.rate(16, True) == pytest.approx(2.5 / 22.0) and eg.rate(16, False) == pytest.approx(2.75 / 22.0)
+    sent = [bool(step(policy, 2.75, 22.0)) for _ in range(ExtraGate.PROBE)]
+    assert sent.count(True) == 1 and sent[-1]  # none, but the probe
+    assert policy.stats()["extra_verdict_share"] == pytest.approx(eg.share())
+    # a plain step after a verdict: nothing learned, the verdict dropped
+    samples = dict(eg.samples)
+    policy._last_plan = (survival, SlopeFloor(TokenCostTable([16, 96], [10.0, 10.2]), 0.002), plan, b)
+    policy.extra_tokens(lengths, [8] * b)
+    assert policy._extra_verdict is not None
+    policy.observe_outcome(b, False, b, 10.0)
+    assert eg.samples == samples and policy._extra_verdict is None
+    ungated = make("ungatedextra")
+    assert all(step(ungated, 2.5 if i < n else 2.75, 22.0) for i in range(2 * n + ExtraGate.PROBE))
+
+
 def test_cost_ranges_equal_pointwise_costs():
     """budget_plan reads a whole range of step costs at once (costs_ms): it equals cost_ms point by point for
     the token table (inside, between and beyond its points) and the model's token cost; the grouped
@@ -1773,15 +1849,17 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import ABLATIONS, LengthPolicy
 
     cfg = _moe_config()
-    expect = {"noextra": (False, True, True, True, False), "nocounts": (True, False, True, True, False),
-              "lean": (False, False, True, True, False), "nogate": (True, True, False, True, False),
-              "nowidth": (True, True, True, False, False), "plain": (True, True, True, True, True)}
+    expect = {"noextra": (False, True, True, True, False, True), "nocounts": (True, False, True, True, False, True),
+              "lean": (False, False, True, True, False, True), "nogate": (True, True, False, True, False, True),
+              "nowidth": (True, True, True, False, False, True), "plain": (True, True, True, True, True, True),
+              "ungatedextra": (True, True, True, True, False, False)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
-                policy.plans_width, policy.gate is not None and policy.gate.force_plain) == parts
+                policy.plans_width, policy.gate is not None and policy.gate.force_plain,
+                policy.extra_gate is not None) == parts
     gate = LengthPolicy("hybridspec", cfg)
     gate.ablate("plain")
     for draft in (True,) * 3:  # (speculation measured faster: a gate of its own would draft)

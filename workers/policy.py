@@ -30,6 +30,7 @@ from scheduler.latency_model import (DraftCost, ExpertEstimator, LatencyModel, M
 from scheduler.planner import Plan, budget_plan, fixed_lengths, survival_from_acceptance, width_plan
 from scheduler.planner_torch import distinct_by_tokens_device
 from workers.config import ModelConfig
+from workers.extra_gate import ExtraGate
 from workers.graphs import token_buckets
 
 
@@ -48,7 +49,7 @@ def width_from() -> int:
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
-             "nowidth": ("width",), "plain": ("plain",)}
+             "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -490,6 +491,9 @@ class LengthPolicy:
         self._distinct: list[float] | None = None  # expected distinct experts of n globally routed tokens
         self.gate = SpeculationGate() if name == "hybridspec" else None
         self.router_correction = True  # hybridspec: the extra token up to the first MoE router
+        # hybridspec: the router correction's rule applies only where its steps measurably deliver more (ExtraGate)
+        self.extra_gate = ExtraGate() if name == "hybridspec" else None
+        self._extra_verdict: tuple[int, bool] | None = None  # this step's (bucket, ExtraGate verdict)
         self.routing_stats = True  # hybridspec: served steps collect routing statistics (ExpertEstimator)
         # per batch-size bucket: EWMA of a drafted step's ms beyond the forward (hybridspec plans for whole steps)
         self.draft_overhead_ms: dict[int, float] = {}
@@ -536,7 +540,8 @@ class LengthPolicy:
     def ablate(self, variant: str) -> None:
         """hybridspec with parts switched off, for benchmarks that measure what each part brings (`hybridspec-X`):
         noextra: no router-correction extra token; nocounts: no routing statistics collected in served steps
-        (the start-up profile's stand in); lean: both; nogate: speculates every step; nowidth: plans price the
+        (the start-up profile's stand in); lean: both; nogate: speculates every step; ungatedextra: the router
+        correction's rule sends extras at every step, not only where ExtraGate measures them paying; nowidth: plans price the
         step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
         path costs)."""
@@ -549,6 +554,8 @@ class LengthPolicy:
             self.routing_stats = False
         if "gate" in parts:
             self.gate = None
+        if "extragate" in parts:
+            self.extra_gate = None
         if "width" in parts:
             self.plans_width = False
         if "plain" in parts:
@@ -643,6 +650,9 @@ class LengthPolicy:
                 tally[0] += tokens
                 tally[1] += self.expected_tokens
         self.expected_tokens = None
+        verdict, self._extra_verdict = self._extra_verdict, None
+        if drafted and verdict is not None and self.extra_gate is not None:  # realized tokens, not expected ones
+            self.extra_gate.observe(verdict[0], verdict[1], tokens / max(1, batch_size), step_ms)
         if drafted and self._predicted_ms is not None:
             self.plan_errors.append((self._predicted_ms, step_ms))
         self._predicted_ms = None
@@ -864,7 +874,10 @@ class LengthPolicy:
         at first, so it gets measured). At most as many as fit in the graph token bucket the plan's step runs in
         (EXTRA_WITHIN_BUCKET). Small batches rarely cover a token's experts: below the EXTRA_FROM
         batch-size bucket no extra token is sent (measured 3-5% end to end at c=1), and those buckets' graphs run
-        no router correction. Without a plan of this step: every request with L_i < cap_i."""
+        no router correction. Without a plan of this step: every request with L_i < cap_i. Where ExtraGate
+        measures the rule's steps delivering less than steps without extras at this batch-size bucket, none is sent
+        (but for its probes)."""
+        self._extra_verdict = None
         if SpeculationGate.bucket(len(lengths)) < EXTRA_FROM:
             self._last_plan = None
             return set()
@@ -876,6 +889,12 @@ class LengthPolicy:
         self._last_plan = None
         if not candidates:
             return set()
+        if self.extra_gate is not None:  # the rule itself on trial: a step counts for the verdict it ran under
+            b = SpeculationGate.bucket(len(lengths))
+            sends = self.extra_gate.sends(b)
+            self._extra_verdict = (b, sends)
+            if not sends:
+                return set()
         total = base_tokens + sum(lengths)
         kept, sent = self.extra_keep.get(SpeculationGate.bucket(len(lengths)), EXTRA_KEEP_PRIOR)
         p_keep = kept / sent
@@ -1030,6 +1049,8 @@ class LengthPolicy:
                "latency_p90_abs_pct": err.p90_abs_pct}
         if self.gate is not None:
             out["speculative_step_share"] = self.gate.speculative_share()
+        if self.extra_gate is not None and sum(self.extra_gate.decisions):
+            out["extra_verdict_share"] = self.extra_gate.share()
         if self.plan_errors:  # signed: > 0 where the plan predicted steps longer than they were
             out["plan_step_bias_pct"] = 100.0 * sum((p - m) / m for p, m in self.plan_errors) / len(self.plan_errors)
             out["plan_step_abs_pct"] = 100.0 * sum(abs(p - m) / m for p, m in self.plan_errors) / len(self.plan_errors)
