@@ -1637,11 +1637,18 @@ def test_extra_gate_measures_both_verdicts_then_follows_the_faster_and_probes_th
         assert not g.sends(16)
         g.observe(16, False, 2.7, 22.0)  # without: 0.123
     assert g.rate(16, True) == pytest.approx(2.5 / 22.0) and g.rate(16, False) == pytest.approx(2.7 / 22.0)
-    assert [g.sends(16) for _ in range(2 * probe)] == ([False] * (probe - 1) + [True]) * 2
+    gap = 1.0 - 2.5 / 2.7  # 7.4%: the loser is tried every PROBE x gap / GAP_UNIT decisions (at most MAX_SPACING x)
+    spacing = g.spacing(16)
+    assert spacing == round(probe * min(ExtraGate.MAX_SPACING, gap / ExtraGate.GAP_UNIT)) > probe
+    assert [g.sends(16) for _ in range(2 * spacing)] == ([False] * (spacing - 1) + [True]) * 2
     assert g.sends(64) and g.rate(64, True) is None  # another bucket explores on its own
     for _ in range(40):  # extras now measured faster
         g.observe(16, True, 3.0, 20.0)
-    assert [g.sends(16) for _ in range(probe)] == [True] * (probe - 1) + [False]
+    spacing = g.spacing(16)
+    assert [g.sends(16) for _ in range(spacing)] == [True] * (spacing - 1) + [False]
+    g.observe(16, True, 2.701, 22.0)  # a near tie: probed every PROBE-th decision
+    g.tokens[(16, True)], g.ms[(16, True)] = 2.701, 22.0
+    assert g.spacing(16) == probe
     before = dict(g.samples)
     g.observe(16, True, 0.0, 20.0)
     g.observe(16, False, 2.0, 0.0)
@@ -1684,7 +1691,7 @@ def test_hybridspec_sends_extra_tokens_only_where_its_steps_with_them_deliver_mo
     eg = policy.extra_gate
     assert eg.samples[(16, True)] == n and eg.samples[(16, False)] == n
     assert eg.rate(16, True) == pytest.approx(2.5 / 22.0) and eg.rate(16, False) == pytest.approx(2.75 / 22.0)
-    sent = [bool(step(policy, 2.75, 22.0)) for _ in range(ExtraGate.PROBE)]
+    sent = [bool(step(policy, 2.75, 22.0)) for _ in range(eg.spacing(16))]
     assert sent.count(True) == 1 and sent[-1]  # none, but the probe
     assert policy.stats()["extra_verdict_share"] == pytest.approx(eg.share())
     # a plain step after a verdict: nothing learned, the verdict dropped

@@ -8,7 +8,11 @@ earlier ablations found no gain from them in any cell. So, as SpeculationGate do
 judged by what the steps deliver: per batch-size bucket, the output tokens per ms per request of drafted steps
 under each verdict (extras sent where the rule picks them, or none), a ratio of EWMAs (tokens over ms). Each side is
 measured MIN_SAMPLES times first (extras first: the rule's own verdict), then the leader decides, and the other side
-is tried every PROBE-th decision so that a change of load or routing is seen. A step counts for the verdict it ran
+is tried every spacing()-th decision so that a change of load or routing is seen: PROBE times the loser's gap in
+GAP_UNITs, at most MAX_SPACING x PROBE (as SpeculationGate spaces its probes). Every switch of verdict perturbs
+the plan's other learners (its cost by token count mixes steps with and without extras): with a fixed spacing of 16
+the gated rule ran 5% under both pure rules at c=16 / 0.85 (47a8be1, bench/NOTES.md), so a far loser is tried
+rarely. A step counts for the verdict it ran
 under, whether or not the rule then sent any extra (it is the rule that is on trial, not one token). Pure
 bookkeeping: no device work, no torch.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 
 class ExtraGate:
-    MIN_SAMPLES, PROBE, ALPHA = 6, 16, 0.15
+    MIN_SAMPLES, PROBE, ALPHA, GAP_UNIT, MAX_SPACING = 6, 16, 0.15, 0.02, 4
 
     def __init__(self) -> None:
         # (bucket, sends) -> EWMA of output tokens per request, and of the step's ms
@@ -42,11 +46,18 @@ class ExtraGate:
         else:
             lead = self.rate(bucket, True) >= self.rate(bucket, False)
             n = self.since_probe.get(bucket, 0) + 1
-            probe = n >= self.PROBE
+            probe = n >= self.spacing(bucket)
             self.since_probe[bucket] = 0 if probe else n
             verdict = lead != probe
         self.decisions[verdict] += 1
         return verdict
+
+    def spacing(self, bucket: int) -> int:
+        """Decisions between probes of the losing side once both are measured: PROBE x the loser's gap to the
+        leader in GAP_UNITs, between 1 and MAX_SPACING."""
+        on, off = self.rate(bucket, True), self.rate(bucket, False)
+        gap = 1.0 - min(on, off) / max(on, off) if on and off else 0.0
+        return int(round(self.PROBE * min(self.MAX_SPACING, max(1.0, gap / self.GAP_UNIT))))
 
     def observe(self, bucket: int, sends: bool, tokens_per_request: float, step_ms: float) -> None:
         """A drafted step that ran under verdict `sends`: its output tokens per request and its ms."""
