@@ -1240,7 +1240,7 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
 
 def test_speculation_gate_is_off_under_expert_parallelism():
     """Under EP a rank's whole step includes waiting for the other ranks at the exchanges, so the gate could not
-    see a plain-decoding win and ranks would decide apart: the EP wiring turns it off (and keeps it off after a
+    see a plain-decoding win and ranks would decide apart: the EP wiring turns it off, and ExtraGate (and keeps it off after a
     new policy is set, as it re-wraps the policy). The learning is never deferred there (it all-reduces): one
     left pending by a step before EP is learned first, locally."""
     from types import SimpleNamespace
@@ -1252,10 +1252,11 @@ def test_speculation_gate_is_off_under_expert_parallelism():
     flushed = []
     runner = SimpleNamespace(policy=LengthPolicy("hybridspec", cfg), device=torch.device("cpu"), defer_learning=True,
                              flush_learning=lambda: flushed.append(runner.policy.observe))
-    assert runner.policy.gate is not None
+    assert runner.policy.gate is not None and runner.policy.extra_gate is not None
     observe = runner.policy.observe
     _observe_slowest(runner)
     assert runner.policy.gate is None and runner.policy.should_draft([3, 4])
+    assert runner.policy.extra_gate is None  # (its rates are whole steps as well)
     assert flushed == [observe] and runner.defer_learning is False  # flushed once, before the observe was wrapped
     _observe_slowest(runner)
     assert len(flushed) == 1

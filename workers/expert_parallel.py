@@ -429,8 +429,10 @@ def _observe_slowest(runner: Any) -> None:
         return
     # hybridspec's speculation gate measures whole steps, which under EP include waiting at the exchanges for the
     # other ranks (and carry capacities sized by the draft caps): it cannot see a plain-decoding win, and ranks
-    # would decide apart. Off under EP until the driver decides for the deployment.
+    # would decide apart. Off under EP until the driver decides for the deployment. So is ExtraGate, for the same
+    # reason (its rates are whole steps too): the router correction's rule applies ungated on each rank's batch.
     policy.gate = None
+    policy.extra_gate = None
     observe = policy.observe
 
     def observe_slowest(drafter, obs, expert_counts, fold=True):

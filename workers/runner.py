@@ -612,8 +612,6 @@ class ModelRunner:
             # longer page tables can move the step to a wider graph bucket). A step with a prefill reports no
             # hint: the scheduler keeps the last one, and so does _hinted_plain. The gate's two questions about
             # the next step (time its cycle? draft?) in one call, its verdict kept for that step
-            cap = self.policy.draft_cap(len(requests))
-            result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
             if gated:
                 sample_next, drafts = self.policy.next_step(
                     len(requests), lambda: [r.context_len + keep[i] for i, r in enumerate(requests)], self._ends.thin)
@@ -621,7 +619,10 @@ class ModelRunner:
             else:
                 self._hinted_plain = False
             if self._hinted_plain:
-                result.draft_cap_hint = 0
+                result.draft_cap_hint = 0  # (the cap itself is not asked for: ~5 us of a plain step's host path)
+            else:
+                cap = self.policy.draft_cap(len(requests))
+                result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
         elif gated:
             sample_next = self.policy.wants_cycle(len(requests))
         if gated:  # (after the hint: its host time is this step's, not the next cycle's)
