@@ -1240,7 +1240,7 @@ def test_deferred_learning_lands_after_the_next_forward_and_changes_no_token():
 
 def test_speculation_gate_is_off_under_expert_parallelism():
     """Under EP a rank's whole step includes waiting for the other ranks at the exchanges, so the gate could not
-    see a plain-decoding win and ranks would decide apart: the EP wiring turns it off, and ExtraGate (and keeps it off after a
+    see a plain-decoding win and ranks would decide apart: the EP wiring turns it and ExtraGate off (and keeps them off after a
     new policy is set, as it re-wraps the policy). The learning is never deferred there (it all-reduces): one
     left pending by a step before EP is learned first, locally."""
     from types import SimpleNamespace
@@ -1641,14 +1641,22 @@ def test_extra_gate_measures_both_verdicts_then_follows_the_faster_and_probes_th
     gap = 1.0 - 2.5 / 2.7  # 7.4%: the loser is tried every PROBE x gap / GAP_UNIT decisions (at most MAX_SPACING x)
     spacing = g.spacing(16)
     assert spacing == round(probe * min(ExtraGate.MAX_SPACING, gap / ExtraGate.GAP_UNIT)) > probe
-    assert [g.sends(16) for _ in range(2 * spacing)] == ([False] * (spacing - 1) + [True]) * 2
+    verdicts = []
+    for _ in range(2 * spacing):
+        verdicts.append(g.sends(16))
+        g.observe(16, verdicts[-1], 2.5 if verdicts[-1] else 2.7, 22.0)  # (the same rates)
+    assert verdicts == ([False] * (spacing - 1) + [True]) * 2
+    # a due probe stays due until a step under it is measured (a decided step may go unobserved)
+    assert [g.sends(16) for _ in range(spacing)] == [False] * (spacing - 1) + [True]
+    assert g.sends(16) and g.sends(16)
+    g.observe(16, True, 2.5, 22.0)
+    assert not g.sends(16)
     assert g.sends(64) and g.rate(64, True) is None  # another bucket explores on its own
     for _ in range(40):  # extras now measured faster
         g.observe(16, True, 3.0, 20.0)
     spacing = g.spacing(16)
     assert [g.sends(16) for _ in range(spacing)] == [True] * (spacing - 1) + [False]
-    g.observe(16, True, 2.701, 22.0)  # a near tie: probed every PROBE-th decision
-    g.tokens[(16, True)], g.ms[(16, True)] = 2.701, 22.0
+    g.tokens[(16, True)], g.ms[(16, True)] = 2.701, 22.0  # a near tie: probed every PROBE-th decision
     assert g.spacing(16) == probe
     before = dict(g.samples)
     g.observe(16, True, 0.0, 20.0)

@@ -12,7 +12,10 @@ is tried every spacing()-th decision so that a change of load or routing is seen
 GAP_UNITs, at most MAX_SPACING x PROBE (as SpeculationGate spaces its probes). Every switch of verdict perturbs
 the plan's other learners (its cost by token count mixes steps with and without extras): with a fixed spacing of 16
 the gated rule ran 5% under both pure rules at c=16 / 0.85 (47a8be1, bench/NOTES.md), so a far loser is tried
-rarely. A step counts for the verdict it ran
+rarely. A due probe stays due until a step under it is measured (a drafted step that captures a graph or carries
+a prefill chunk is decided but not observed). The step's ms is the runner's host clock to the end of its acceptance:
+device work queued after the read-back (the commit, the drafter's roll-back) lands in the next step's, which
+slightly favours the side that accepts more. A step counts for the verdict it ran
 under, whether or not the rule then sent any extra (it is the rule that is on trial, not one token). Pure
 bookkeeping: no device work, no torch.
 """
@@ -45,10 +48,8 @@ class ExtraGate:
             verdict = False
         else:
             lead = self.rate(bucket, True) >= self.rate(bucket, False)
-            n = self.since_probe.get(bucket, 0) + 1
-            probe = n >= self.spacing(bucket)
-            self.since_probe[bucket] = 0 if probe else n
-            verdict = lead != probe
+            n = self.since_probe[bucket] = self.since_probe.get(bucket, 0) + 1
+            verdict = lead != (n >= self.spacing(bucket))  # (reset by the probe's measurement, observe)
         self.decisions[verdict] += 1
         return verdict
 
@@ -64,6 +65,9 @@ class ExtraGate:
         if step_ms <= 0 or tokens_per_request <= 0:
             return
         key = (bucket, sends)
+        on, off = self.rate(bucket, True), self.rate(bucket, False)
+        if self._measured(bucket) and (on >= off) != sends:  # the losing side measured: the probe is done
+            self.since_probe[bucket] = 0
         if key not in self.ms:
             self.tokens[key], self.ms[key] = tokens_per_request, step_ms
         else:
@@ -71,6 +75,9 @@ class ExtraGate:
             self.tokens[key] += a * (tokens_per_request - self.tokens[key])
             self.ms[key] += a * (step_ms - self.ms[key])
         self.samples[key] = self.samples.get(key, 0) + 1
+
+    def _measured(self, bucket: int) -> bool:
+        return all(self.samples.get((bucket, side), 0) >= self.MIN_SAMPLES for side in (True, False))
 
     def share(self) -> float:
         """Fraction of verdicts that sent extras."""
