@@ -878,7 +878,8 @@ class LengthPolicy:
         measures the rule's steps delivering less than steps without extras at this batch-size bucket, none is sent
         (but for its probes)."""
         self._extra_verdict = None
-        if SpeculationGate.bucket(len(lengths)) < EXTRA_FROM:
+        b = SpeculationGate.bucket(len(lengths))
+        if b < EXTRA_FROM:
             self._last_plan = None
             return set()
         candidates = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
@@ -890,13 +891,12 @@ class LengthPolicy:
         if not candidates:
             return set()
         if self.extra_gate is not None:  # the rule itself on trial: a step counts for the verdict it ran under
-            b = SpeculationGate.bucket(len(lengths))
             sends = self.extra_gate.sends(b)
             self._extra_verdict = (b, sends)
             if not sends:
                 return set()
         total = base_tokens + sum(lengths)
-        kept, sent = self.extra_keep.get(SpeculationGate.bucket(len(lengths)), EXTRA_KEEP_PRIOR)
+        kept, sent = self.extra_keep.get(b, EXTRA_KEEP_PRIOR)
         p_keep = kept / sent
         gains = np.array([p_keep * survival[i][lengths[i]] for i in candidates], dtype=np.float64)  # [k]
         order = np.argsort(-gains, kind="stable")  # best first (ties: the request order)
