@@ -200,7 +200,9 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         binned = sum(n for n, _ in row["step_ms_by_tokens"].values())  # decode steps (no prefill, no capture)
         assert 0 < binned <= row["steps"] - row["capture_steps"]
         widths = {int(w): n for w, n in row["drafted_width_steps"].items()}  # drafted decode steps by drafts asked
-        assert widths and 0 < sum(widths.values()) <= binned and max(widths) <= 16
+        # (fixed4 drafts every decode step; hybridspec's gate decides from measured times, and on a busy machine may
+        # decode a short run plainly)
+        assert (widths or policy != "fixed4") and sum(widths.values()) <= binned and max(widths, default=0) <= 16
         # the steps that ran both requests (the closed batch's tail left out): a share of the decode time
         assert row["full_batch_tokens_per_s"] > 0 and 0 < row["full_batch_step_share"] <= 1
         assert row["full_batch_speedup_vs_ar"] == row["full_batch_tokens_per_s"] / cell_ar["full_batch_tokens_per_s"]

@@ -1008,11 +1008,19 @@ def _tiny_served(new: int, conc: int = 2, page_size: int = 16):
     return model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model
 
 
-def _served_with_wrong_drafts(new: int):
+def _served_with_wrong_drafts(new: int, monkeypatch=None):
     """_tiny_served's runner serving hybridspec with a replay drafter whose drafts are always wrong and whose
-    forward costs time (e2e's DFlash-shaped one); its output checked against the greedy output.
+    forward costs time (e2e's DFlash-shaped one); its output checked against the greedy output. With
+    `monkeypatch`, the gate's cycles are pinned (drafted 30 ms, plain 10 ms) where the runner hands them over: on a
+    busy CI machine one slow plain step on the real clock could put the gate on speculation for a probe spacing.
     -> (runner, prompts, greedy, page_size, num_pages, serve, the run's result)."""
     from workers.drafters import DraftModelDrafter, ReplayDrafter
+    from workers.policy import LengthPolicy
+
+    if monkeypatch is not None:
+        real = LengthPolicy.observe_cycle
+        monkeypatch.setattr(LengthPolicy, "observe_cycle", lambda self, b, drafted, tokens, ms:
+                            real(self, b, drafted, tokens, 30.0 if drafted else 10.0))
 
     model, runner, prompts, greedy, page_size, num_pages, serve, drafter_model = _tiny_served(new)
     cfg, conc = model.config, len(prompts)
@@ -1026,12 +1034,13 @@ def _served_with_wrong_drafts(new: int):
     return runner, prompts, greedy, page_size, num_pages, serve, res
 
 
-def test_hybridspec_stops_drafting_where_drafts_are_never_accepted():
+def test_hybridspec_stops_drafting_where_drafts_are_never_accepted(monkeypatch):
     """End to end on CPU (tiny bench model, the engine's scheduler + runner): with a drafter whose drafts are
     always wrong (and whose forward costs time, as e2e's DFlash-shaped one: a free drafter with plans of length 0
     makes a drafted step cost what a plain one does, and the gate's two sides tie), hybridspec's gate measures
-    plain decoding faster and stops drafting except for probes; the output stays the greedy output."""
-    runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80)
+    plain decoding faster and stops drafting except for probes; the output stays the greedy output. (The cycles'
+    ms are pinned, a drafted one 3x a plain one: the tokens each side counts are the runner's own.)"""
+    runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80, monkeypatch)
     gate = runner.policy.gate
     assert gate.decisions[0] > 2 * gate.decisions[1], gate.decisions  # mostly plain decode steps
     assert gate.own.get((2, True), 0) >= 1 and gate.own.get((2, False), 0) >= 1  # the runner fed it both sides
@@ -1120,7 +1129,7 @@ def test_gate_thinning_times_only_sampled_steps_and_keeps_its_probes(monkeypatch
     real_resumed = _StepEnds.resumed
     monkeypatch.setattr(_StepEnds, "resumed", lambda self, sample_next=True, host=False:
                         hosts.append(host) or real_resumed(self, sample_next, host))
-    runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80)  # plain wins
+    runner, prompts, greedy, page_size, num_pages, serve, res = _served_with_wrong_drafts(80, monkeypatch)  # plain wins
     g = runner.policy.gate
     learned = sum(g.own.values())
     assert g.own.get((2, False), 0) >= 1 and learned < 0.6 * res.steps, (learned, res.steps)
@@ -2174,7 +2183,7 @@ def test_runner_times_plain_cycles_on_the_host_clock_and_the_rest_on_events(monk
     from gate_clocks import record_cycle_clocks
 
     seen, _ = record_cycle_clocks(monkeypatch)
-    _served_with_wrong_drafts(80)  # plain wins: long plain stretches, probes
+    _served_with_wrong_drafts(80, monkeypatch)  # plain wins: long plain stretches, probes
     assert seen
     assert all(begin == end for begin, end, _, _ in seen)  # never two clocks in one cycle
     assert any(begin and not drafted for begin, _, drafted, _ in seen)  # plain cycles on the host clock
