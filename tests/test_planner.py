@@ -1874,17 +1874,30 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import ABLATIONS, LengthPolicy
 
     cfg = _moe_config()
-    expect = {"noextra": (False, True, True, True, False, True), "nocounts": (True, False, True, True, False, True),
-              "lean": (False, False, True, True, False, True), "nogate": (True, True, False, True, False, True),
-              "nowidth": (True, True, True, False, False, True), "plain": (True, True, True, True, True, True),
-              "ungatedextra": (True, True, True, True, False, False)}
+    from workers.policy import DRAFT_MARGIN
+
+    on = (True, True, True, True, False, True, DRAFT_MARGIN)  # (extra, counts, gate, width, plain, extra gate, margin)
+    expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
+              "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
+              "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:], "margin1": on[:6] + (1,)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
-                policy.extra_gate is not None) == parts
+                policy.extra_gate is not None, policy.draft_margin) == parts, variant
+    from collections import deque
+
+    from workers.policy import DRAFT_WINDOW
+    caps = {}
+    for variant in (None, "margin1"):  # the margin reaches the cap the scheduler reserves drafts by
+        policy = LengthPolicy("hybridspec", cfg)
+        if variant:
+            policy.ablate(variant)
+        policy.planned_max[2] = deque([3] * DRAFT_WINDOW, maxlen=DRAFT_WINDOW)
+        caps[variant] = policy.draft_cap(2)
+    assert caps == {None: 3 + DRAFT_MARGIN, "margin1": 4}
     gate = LengthPolicy("hybridspec", cfg)
     gate.ablate("plain")
     for draft in (True,) * 3:  # (speculation measured faster: a gate of its own would draft)

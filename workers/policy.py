@@ -51,7 +51,7 @@ def width_from() -> int:
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
-             "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",)}
+             "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -279,6 +279,7 @@ class LengthPolicy:
         self.draft_costs: dict[int, DraftCost] = {}
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
+        self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
         self._width_choice: dict[int, WidthChoice] = {}  # per batch-size bucket
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
@@ -307,7 +308,9 @@ class LengthPolicy:
         """hybridspec with parts switched off, for benchmarks that measure what each part brings (`hybridspec-X`):
         noextra: no router-correction extra token; nocounts: no routing statistics collected in served steps
         (the start-up profile's stand in); lean: both; nogate: speculates every step; ungatedextra: the router
-        correction's rule sends extras at every step, not only where ExtraGate measures them paying; nowidth: plans price the
+        correction's rule sends extras at every step, not only where ExtraGate measures them paying; margin1: drafts
+        its recent plans' longest + 1, not + DRAFT_MARGIN (at c=64/0.7 the bucket-filling plans drafted 7 a request
+        to verify <= 5, bench/NOTES.md 2026-12-04); nowidth: plans price the
         step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
         path costs)."""
@@ -324,6 +327,8 @@ class LengthPolicy:
             self.extra_gate = None
         if "width" in parts:
             self.plans_width = False
+        if "margin" in parts:
+            self.draft_margin = 1
         if "plain" in parts:
             self.gate.force_plain = True
 
@@ -342,7 +347,7 @@ class LengthPolicy:
             cap = None
         else:
             longest = sorted(recent)[min(len(recent) - 1, int(DRAFT_QUANTILE * len(recent)))]
-            cap = min(self.max_verify_len, longest + DRAFT_MARGIN)
+            cap = min(self.max_verify_len, longest + self.draft_margin)
         self._draft_caps[b] = (recent, cap)
         return cap
 
@@ -622,7 +627,7 @@ class LengthPolicy:
         C = max(caps, default=0)
         if n == 0 or C == 0:
             return None
-        blocks = np.minimum(np.arange(1, C + 1) + DRAFT_MARGIN, self.max_verify_len) + 1.0  # [C]
+        blocks = np.minimum(np.arange(1, C + 1) + self.draft_margin, self.max_verify_len) + 1.0  # [C]
         return [0.0] + (self.rest_overhead_ms[bucket] + draft.ms_array(n * blocks)).tolist()
 
     def extra_tokens(self, lengths: list[int], caps: list[int]) -> set[int]:
