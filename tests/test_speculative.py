@@ -722,6 +722,35 @@ def test_token_buckets_step_by_halves_and_thirds():
     assert token_buckets(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
 
 
+def test_extra_token_buckets_join_the_graphs_buckets_and_stay_lossless(reference, monkeypatch):
+    """HYBRIDSPEC_TOKEN_BUCKETS_EXTRA adds token buckets below a set's limit to the halves and thirds (an A/B switch:
+    at c=64 a uniform plan of 4 drafts is 320 tokens, padded to 384 without it), names what it allows, keeps
+    enough padding requests in every bucket, and verification steps in an extra bucket give the eager tokens."""
+    import workers.graphs as wg
+
+    monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_EXTRA", "448,320")
+    assert wg.extra_token_buckets() == (320, 448)
+    monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_EXTRA", "0")
+    assert wg.extra_token_buckets() == ()
+    for bad in ("", "x", "320,0", "-4"):
+        monkeypatch.setenv("HYBRIDSPEC_TOKEN_BUCKETS_EXTRA", bad)
+        with pytest.raises(ValueError, match="HYBRIDSPEC_TOKEN_BUCKETS_EXTRA must be"):
+            wg.extra_token_buckets()
+    monkeypatch.setattr(wg, "EXTRA_TOKEN_BUCKETS", (320, 384, 448, 5000))
+    assert wg.token_buckets(1088) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448,
+                                      512, 768, 1024, 1088]
+    assert wg.token_buckets(300)[-3:] == [192, 256, 300]  # none past the limit, which stays the last bucket
+    _check_padding_requests(wg.token_buckets(1088))
+    monkeypatch.setattr(wg, "EXTRA_TOKEN_BUCKETS", (5,))  # a bucket the test's small verification steps land in
+    llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.6))
+    for prompt, ref in zip(PROMPTS, reference):
+        llm.set_replay_reference(prompt, ref)
+    tokens, _ = run(llm)
+    assert tokens == reference
+    graphs = llm.engine.executor.runner.step_graphs()
+    assert 5 in graphs.tokens and any(k.tokens == 5 and k.max_block > 1 for k in graphs.graphs)
+
+
 def test_the_runner_times_each_drafting_for_hybridspec(reference, monkeypatch):
     """Every drafted step reports the drafter's time and its rows (each request's drafts + its pending token) to
     the policy, which learns hybridspec's drafting cost per batch-size bucket and the rest of the step; tokens

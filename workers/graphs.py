@@ -83,12 +83,33 @@ def block_buckets() -> tuple[int, ...]:
 block_buckets()  # a bad HYBRIDSPEC_BLOCK_BUCKETS fails at import, not at the first verification step
 
 
+def extra_token_buckets() -> tuple[int, ...]:
+    """HYBRIDSPEC_TOKEN_BUCKETS_EXTRA: token buckets added to token_buckets' own (a comma list of integers >= 1;
+    unset or "0": none). For A/B of single buckets where full batches' uniform blocks land: at c=64 a plan of 4
+    drafts a request is 320 tokens, padded to the 384-token bucket (the forward table of hybridspec at c=64 / 0.7,
+    f16ef77: 15.5 ms at 256 tokens, 17.2-17.8 from 257 to 384), so its plans stayed at 3 drafts where fixed4, whose
+    graph set ends at exactly 64 x 5 = 320 tokens, verified 4 (bench/NOTES.md, 2026-12-05)."""
+    raw = os.environ.get("HYBRIDSPEC_TOKEN_BUCKETS_EXTRA")
+    if raw is None or raw.strip() == "0":
+        return ()
+    try:
+        extra = tuple(sorted({int(x) for x in raw.split(",")}))
+    except ValueError:
+        extra = ()
+    if not extra or extra[0] < 1:
+        raise ValueError(f"HYBRIDSPEC_TOKEN_BUCKETS_EXTRA must be '0' or a comma list of integers >= 1, got {raw!r}")
+    return extra
+
+
+EXTRA_TOKEN_BUCKETS = extra_token_buckets()  # (a bad value fails at import, not at the first graph)
+
+
 def token_buckets(limit: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, ... (steps of 1/2 and 1/3) up to >= limit: few graphs to
     capture; padded rows cost dense GEMM rows (masked out of the MoE) and padding requests' GDN / conv work (at
     64 x 5 tokens the 384-row bucket took 15.0 ms against 13.8 in a 325-row one). Quarter steps from 64 tokens on
     were measured end to end and gained nothing, with twice the graphs there: out of GPU memory at c=64
-    (bench/NOTES.md, 49c70bf)."""
+    (bench/NOTES.md, 49c70bf). EXTRA_TOKEN_BUCKETS below the limit join them (HYBRIDSPEC_TOKEN_BUCKETS_EXTRA)."""
     out = [1, 2, 3]
     base = 4
     while out[-1] < limit:
@@ -97,6 +118,8 @@ def token_buckets(limit: int) -> list[int]:
     while len(out) > 1 and out[-2] >= limit:  # no bucket past the first one that holds the limit ...
         out.pop()
     out[-1] = max(limit, 1)  # ... and that one exactly the limit (the shared output buffers are this tall)
+    if EXTRA_TOKEN_BUCKETS:
+        out = sorted(set(out[:-1]).union(t for t in EXTRA_TOKEN_BUCKETS if t < out[-1])) + [out[-1]]
     return out
 
 
