@@ -12,14 +12,39 @@ from typing import TextIO
 
 import grpc
 
-from clients.client import GenerationClient
+from clients.client import GenerationClient, build_request
+
+
+URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  # gRPC target URIs: passed as given
+
+
+def check_server(target: str) -> None:
+    """`--server` is HOST:PORT (or a gRPC target URI). A port out of range is refused: gRPC would wrap it around
+    (127.0.0.1:99999 dials port 34463), and without a port it would dial 443."""
+    if target.startswith(URI_SCHEMES):
+        return
+    host, sep, port = target.rpartition(":")
+    ipv6_ok = ":" not in host or (host.startswith("[") and host.endswith("]"))
+    if not (sep and host and ipv6_ok and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"--server must be HOST:PORT with a port in 1..65535 (an IPv6 host in brackets, e.g. "
+                         f"[::1]:50051), got {target!r}")
 
 
 async def stream_generate(server: str, prompt: str | Sequence[int], *, wait: float = 0.0, timeout: float | None = None,
-                          out: TextIO = sys.stdout, err: TextIO = sys.stderr, echo_prompt: bool = True,
+                          out: TextIO | None = None, err: TextIO | None = None, echo_prompt: bool = True,
                           **sampling: object) -> int:
     """Streams one completion to `out` (the prompt first, when it is text); a summary line goes to `err`.
-    `wait` > 0: first wait that many seconds for the server to become ready. Returns an exit status."""
+    `wait` > 0: first wait that many seconds for the server to become ready. Returns an exit status (2: bad
+    input, named on `err`; 1: the server or the connection failed). `out`/`err` default to sys.stdout/sys.stderr
+    as they are at the call (redirected ones included)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    try:
+        check_server(server)
+        build_request(prompt, **sampling)  # type: ignore[arg-type]  # bad input fails before any output
+    except (TypeError, ValueError) as e:
+        print(f"hybridspec: error: {e}", file=err)
+        return 2
     async with GenerationClient(server) as client:
         try:
             if wait > 0:

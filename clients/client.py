@@ -56,20 +56,42 @@ class Completion:
     usage: Usage | None = None
 
 
+INT32_MAX = 2**31 - 1
+
+
 def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_new_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   stop: Sequence[str] = (), seed: int | None = None, ignore_eos: bool = False) -> pb.GenerateRequest:
-    """A GenerateRequest; options left as None take the server's defaults."""
-    sampling = pb.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
+    """A GenerateRequest; options left as None take the server's defaults. A value the message cannot carry (of
+    the wrong type, or out of its wire type's range) raises ValueError naming the field; the server checks the
+    ranges that depend on the model."""
+    if isinstance(stop, (str, bytes)):  # list("ab") would silently become two stop strings, "a" and "b"
+        raise ValueError(f"stop must be a list of strings, got a single {type(stop).__name__} {stop!r:.60}; "
+                         "pass [that string]")
+    try:
+        sampling = pb.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"stop must be a list of strings and ignore_eos true or false ({e})") from None
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed)):
         if value is not None:
-            setattr(sampling, name, value)
+            try:
+                setattr(sampling, name, value)
+            except (TypeError, ValueError) as e:
+                kind = ("an integer in [0, 2**63)" if name == "seed" else "a number" if name in ("temperature", "top_p")
+                        else f"an integer <= {INT32_MAX}")
+                raise ValueError(f"sampling.{name} must be {kind}, got {value!r:.60} ({e})") from None
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
         request.prompt = prompt
+    elif isinstance(prompt, (bytes, bytearray)):  # its bytes would go out as token ids
+        raise ValueError("prompt must be a str or a sequence of token ids, got bytes; decode it to a str first")
     else:
-        request.prompt_token_ids.extend(prompt)
+        try:
+            request.prompt_token_ids.extend(prompt)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"prompt_token_ids must be integer token ids in [0, vocab_size) "
+                             f"(at most {INT32_MAX}), got {prompt!r:.60} ({e})") from None
     return request
 
 

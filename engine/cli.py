@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import sys
 
 from scheduler.types import MAX_NEW_TOKENS, InvalidRequest, SamplingParams
@@ -55,6 +57,29 @@ def _check_expert_parallel(n: int, executor: str) -> None:
         raise ValueError(f"--expert-parallel must be an integer >= 1, got {n}")
     if n > 1 and executor != "ray":
         raise ValueError(f"--expert-parallel {n} needs --executor ray (with --executor {executor} only 1 is allowed)")
+
+
+def _check_seconds(flag: str, value: float | None, allow_zero: bool, allow_inf: bool = False) -> None:
+    """A duration flag: a number > 0 (>= 0 with allow_zero), not NaN (nor infinite unless allow_inf)."""
+    if value is None:
+        return
+    ok = (value >= 0 if allow_zero else value > 0) and not math.isnan(value) and (allow_inf or math.isfinite(value))
+    if not ok:
+        allowed = f"a {'finite ' if not allow_inf else ''}number of seconds {'>= 0' if allow_zero else '> 0'}"
+        raise ValueError(f"{flag} must be {allowed}, got {value:g}")
+
+
+def _check_port(flag: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise ValueError(f"{flag} must be a port number in 0..65535 (0 = any free port), got {value}")
+
+
+def _log_level(name: str) -> int:
+    level = logging.getLevelName(name.upper())  # the level's number for a known name
+    if not isinstance(level, int):
+        levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        raise ValueError(f"--log-level must be one of {', '.join(levels)} (any case), got {name!r}")
+    return level
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -124,6 +149,8 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)  # checked here too, so bad options fail before any model or connection
+    _check_seconds("--wait", args.wait, allow_zero=True)
+    _check_seconds("--timeout", args.timeout, allow_zero=False)
     if args.server is not None:
         given = [f"--{k.replace('_', '-')}" for k in (*MODEL_DEFAULTS, "executor") if getattr(args, k) is not None]
         if given:
@@ -155,19 +182,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.llm import LLM
-    from engine.server import ServeOptions, run_event_loop, serve_until_signal
-
+    level = _log_level(args.log_level)
     for name in ("max_waiting", "max_running", "num_pages", "max_step_tokens", "max_model_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     _check_expert_parallel(args.expert_parallel, args.executor)
-    if not 0 <= args.port <= 65535 or (args.metrics_port is not None and not 0 <= args.metrics_port <= 65535):
-        raise ValueError("ports must be in 0..65535")
+    _check_port("--port", args.port)
+    _check_port("--metrics-port", args.metrics_port)
+    _check_seconds("--drain-timeout", args.drain_timeout, allow_zero=True, allow_inf=True)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.llm import LLM
+    from engine.server import ServeOptions, run_event_loop, serve_until_signal
+
     limits = {k: getattr(args, k) for k in ("max_running", "num_pages", "max_step_tokens", "max_model_len")
               if getattr(args, k) is not None}
     # LLM checks the speculation options exactly as the Python API does, then builds the engine core.

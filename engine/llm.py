@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.core import EngineConfig, EngineCore, StepOutput
+from engine.validation import check_length
 from scheduler.request import RequestStats
 from scheduler.types import InvalidRequest, SamplingParams
 
@@ -15,6 +18,9 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 MAX_VERIFY_LEN = 16
 AVAILABLE_SPEC = ("off", "ngram", "draft", "mtp", "replay")
 AVAILABLE_POLICIES = POLICIES
+# engine options that are sizes: an integer >= 1 (None where the engine picks one)
+SIZE_OPTIONS = {"num_pages": True, "max_model_len": True, "max_running": False, "max_step_tokens": False,
+                "page_size": False}  # name -> None allowed
 
 
 @dataclass
@@ -45,6 +51,7 @@ class LLM:
             raise ValueError("draft_model is only used with spec='draft' (or as the replay drafter's cost model)")
         if spec == "draft" and draft_model is None:
             raise ValueError("spec='draft' needs draft_model: a model directory with the target's tokenizer")
+        _check_engine_options(engine_options)
         self.spec, self.policy, self.max_verify_len = spec, policy, max_verify_len
         self.engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, spec=spec,
                                               policy=policy if spec != "off" else "ar",
@@ -52,6 +59,12 @@ class LLM:
                                               **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        pages = self.engine.memory.pages
+        self._memory_tokens = pages.num_pages * pages.page_size  # the most tokens one request can ever hold
+        # outputs of this LLM's requests in flight not yet consumed: several streams (and generate calls) may be
+        # open at once, and each step's outputs go to their own request's buffer, none dropped
+        self._outputs: dict[str, list[StepOutput]] = {}
+        self.last_stream_tokens: list[int] = []  # the tokens of the latest stream() started
 
     def set_replay_reference(self, prompt: str | list[int], continuation: list[int]) -> None:
         """Benchmarks (spec='replay'): the reference continuation the replay drafter proposes for a prompt."""
@@ -61,29 +74,53 @@ class LLM:
         drafter.set_reference(self._prompt_ids(prompt), continuation)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StepOutput]:
-        """Runs one prompt and yields its StepOutputs (new tokens and text) as they are produced."""
-        params = params if params is not None else SamplingParams()
+        """Runs one prompt and yields its StepOutputs (new tokens and text) as they are produced. Several streams
+        may be open at once (each steps the engine for all of them; none loses outputs)."""
+        params = _check_params(params if params is not None else SamplingParams())
         rid, ids = f"llm-{next(self._ids)}", self._prompt_ids(prompt)
-        self.last_stream_tokens: list[int] = []
-        self.engine.add_request(rid, ids, params)
+        self._check_length(ids, params)
+        self.last_stream_tokens = tokens = []
+        self._add(rid, ids, params)
         try:
-            while self.engine.has_work():
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        self.last_stream_tokens.extend(out.new_token_ids)
-                        yield out
-                        if out.finished:
-                            return
+            while True:
+                pending = self._outputs[rid]
+                if not pending:
+                    if not self.engine.has_work():
+                        return
+                    self._step()
+                    continue
+                out = pending.pop(0)
+                tokens.extend(out.new_token_ids)
+                yield out
+                if out.finished:
+                    return
         finally:
+            self._outputs.pop(rid, None)
             self.engine.abort(rid)
+
+    def _add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(rid, ids, params)
+        self._outputs[rid] = []
+
+    def _step(self) -> None:
+        """One engine step; each output goes to its request's buffer (outputs of requests this LLM did not add,
+        e.g. through llm.engine directly, are theirs to collect and are not kept here)."""
+        for out in self.engine.step():
+            pending = self._outputs.get(out.request_id)
+            if pending is not None:
+                pending.append(out)
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        check_length("prompt", len(ids), params.max_new_tokens, self.engine.max_model_len, self._memory_tokens)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", "prompt")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list):
-            ids = prompt
+        elif isinstance(prompt, (list, tuple)):
+            # integer types other than int (numpy's) become ints; anything else is named by validate_prompt
+            ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
         else:
             raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                  "prompt")
@@ -93,34 +130,66 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerateResult]:
         """Runs every prompt to completion (batched together) and returns one result per prompt, in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]  # one prompt (its token ids)
+        elif not isinstance(prompts, (list, tuple)):
+            raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of prompts, got "
+                                 f"{type(prompts).__name__}", "prompts")
         params = params if params is not None else SamplingParams()
         param_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
         requests = []
         for prompt, p in zip(prompts, param_list):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
-            requests.append((f"llm-{next(self._ids)}", self._prompt_ids(prompt), p))
+            ids = self._prompt_ids(prompt)
+            self._check_length(ids, _check_params(p))
+            requests.append((f"llm-{next(self._ids)}", ids, p))
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
         texts: dict[str, list[str]] = {rid: [] for rid, _, _ in requests}
         results: dict[str, GenerateResult] = {}
         try:
             for rid, ids, p in requests:
-                self.engine.add_request(rid, ids, p)
-            while self.engine.has_work():
-                for out in self.engine.step():
-                    tokens[out.request_id].extend(out.new_token_ids)
-                    texts[out.request_id].append(out.new_text)
-                    if out.finished:
-                        results[out.request_id] = GenerateResult(
-                            [], tokens[out.request_id], "".join(texts[out.request_id]), out.finish_reason,
-                            out.stats or RequestStats())
+                self._add(rid, ids, p)
+            while True:
+                for rid, _, _ in requests:
+                    for out in self._outputs.get(rid, ()):
+                        tokens[rid].extend(out.new_token_ids)
+                        texts[rid].append(out.new_text)
+                        if out.finished:
+                            results[rid] = GenerateResult([], tokens[rid], "".join(texts[rid]), out.finish_reason,
+                                                          out.stats or RequestStats())
+                    if rid in self._outputs:
+                        self._outputs[rid].clear()
+                if len(results) == len(requests) or not self.engine.has_work():
+                    break
+                self._step()
         finally:
             for rid, _, _ in requests:
+                self._outputs.pop(rid, None)
                 self.engine.abort(rid)  # frees whatever an exception left behind; no-op for finished ones
         for rid, ids, _ in requests:
+            if rid not in results:  # ended without a final output (aborted through llm.engine)
+                results[rid] = GenerateResult([], tokens[rid], "".join(texts[rid]), "abort")
             results[rid].prompt_token_ids = list(ids)
         return [results[rid] for rid, _, _ in requests]
+
+
+def _check_params(params: object) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def _check_engine_options(options: dict) -> None:
+    """The engine options LLM passes on (EngineConfig's fields): known names, sizes that are integers >= 1."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype", "spec", "policy",
+                                                                  "max_verify_len", "draft_model"}
+    for name, value in options.items():
+        if name not in known:
+            raise TypeError(f"LLM got an unexpected option {name!r}; engine options are: {', '.join(sorted(known))}")
+        if name in SIZE_OPTIONS and not (value is None and SIZE_OPTIONS[name]):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                allowed = "an integer >= 1" + (" or None (the engine's default)" if SIZE_OPTIONS[name] else "")
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
+            options[name] = int(value)

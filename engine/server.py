@@ -58,6 +58,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         core = engine.core
         self.tokenizer, self.vocab_size, self.max_model_len = (core.tokenizer, core.model_config.vocab_size,
                                                                core.max_model_len)
+        # the most tokens one request can ever hold: the whole KV pool (a longer one would be refused by the
+        # scheduler; checked here so the error names the field and its range like every other)
+        pages = core.memory.pages
+        self.memory_tokens = pages.num_pages * pages.page_size
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -67,7 +71,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if remaining is not None and remaining <= 0:
                 code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started"
             else:
-                parsed = parse_request(request, self.tokenizer, self.vocab_size, self.max_model_len)
+                parsed = parse_request(request, self.tokenizer, self.vocab_size, self.max_model_len,
+                                       self.memory_tokens)
                 rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
                 self.engine.check_admissible(rid)
                 completion = 0
@@ -87,6 +92,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
+        except Exception as e:  # a bug: this request fails with INTERNAL (and is counted so); the server serves on
+            log.exception("Generate failed")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
         finally:
             self.engine.metrics.rpc_finished(code.name)
         if code is not grpc.StatusCode.OK:

@@ -46,6 +46,14 @@ def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def _is_bool(v: object) -> bool:
+    """A bool, or a boolean scalar of an array library (numpy's bool_, which is no bool subclass)."""
+    if isinstance(v, bool):
+        return True
+    dtype = getattr(v, "dtype", None)
+    return getattr(dtype, "kind", None) == "b" and getattr(v, "shape", None) == ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling options. Validated on construction; change with dataclasses.replace."""
@@ -91,7 +99,7 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and not (_is_int(seed) and 0 <= seed < MAX_SEED):
             raise InvalidRequest(f"seed must be an integer in [0, 2**63) or unset, got {_show(seed)}", "seed")
-        if not isinstance(self.ignore_eos, bool):
+        if not _is_bool(self.ignore_eos):
             raise InvalidRequest(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}", "ignore_eos")
         # Normalize (e.g. numpy scalars, int temperature, a tuple or caller-owned list of stops).
         object.__setattr__(self, "temperature", float(t))
@@ -100,6 +108,7 @@ class SamplingParams:
         object.__setattr__(self, "max_new_tokens", int(n))
         object.__setattr__(self, "stop", list(stop))
         object.__setattr__(self, "seed", None if seed is None else int(seed))
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         return self
 
 
