@@ -277,6 +277,15 @@ def test_unsupported_model_type_raises_config_error_naming_model_type(qwen3_next
     assert "model_type" in message and repr(model_type) in message, message
 
 
+@pytest.mark.parametrize("text", ["", "{not json", "[1, 2]", "\xff"])
+def test_a_config_that_is_not_a_json_object_is_an_error_naming_the_file(tmp_path, text):
+    """A malformed config.json is a ConfigError naming the file, not a bare JSON parser message."""
+    (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_dir(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value), str(info.value)
+
+
 def test_configs_written_by_transformers_read_as_written(ckpts):
     nxt = ModelConfig.from_dir(ckpts.path("qwen3_next"))
     assert nxt.model_type == "qwen3_next" and nxt.moe_layers == [True, False, True, True, True]

@@ -214,4 +214,10 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model directory {model_dir}: no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw)
