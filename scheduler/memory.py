@@ -175,6 +175,49 @@ class MemoryManager:
             table.pages.extend(self.pages.allocate(extra))
         table.num_tokens = new_num_tokens
 
+    def try_grow(self, request_id: str, new_num_tokens: int) -> bool:
+        """grow(request_id, new_num_tokens) if the free pages allow it (True); else False, and nothing changes.
+        (The scheduler's per-request step path: one call where can_grow + grow looked the table up twice.)"""
+        table = self.tables.get(request_id) or self.table(request_id)
+        if new_num_tokens < table.num_tokens:
+            raise ValueError(
+                f"grow of request {request_id!r} to {new_num_tokens} tokens is below its "
+                f"length {table.num_tokens}; use shrink to roll back"
+            )
+        extra = -(-new_num_tokens // self.pages.page_size) - len(table.pages)
+        if extra > 0:  # (most decode steps stay within their last page)
+            if extra > self.pages.num_free():
+                return False
+            table.pages.extend(self.pages.allocate(extra))
+        table.num_tokens = new_num_tokens
+        return True
+
+    def grow_upto(self, request_id: str, least: int, most: int) -> int:
+        """Grows the request to the longest length in [least, most] that its pages and the free pages can hold
+        (an optional reservation, e.g. pages for drafts); returns that length. Raises OutOfMemory (and changes
+        nothing) when not even `least` fits."""
+        table = self.tables.get(request_id) or self.table(request_id)
+        if least < table.num_tokens:
+            raise ValueError(
+                f"grow of request {request_id!r} to {least} tokens is below its "
+                f"length {table.num_tokens}; use shrink to roll back"
+            )
+        page_size, held = self.pages.page_size, len(table.pages)
+        if least <= most <= held * page_size:  # within its pages (most steps)
+            new_num_tokens = most
+        else:
+            new_num_tokens = min(max(most, least), (held + self.pages.num_free()) * page_size)
+        if new_num_tokens < least:
+            raise OutOfMemory(
+                f"cannot grow request {request_id!r} to {least} tokens: it holds {held} page(s) and "
+                f"{self.pages.num_free()} are free"
+            )
+        extra = -(-new_num_tokens // page_size) - held
+        if extra > 0:
+            table.pages.extend(self.pages.allocate(extra))
+        table.num_tokens = new_num_tokens
+        return new_num_tokens
+
     def shrink(self, request_id: str, new_num_tokens: int) -> None:
         """Roll the length back to new_num_tokens and free the pages past it."""
         table = self.table(request_id)

@@ -2,9 +2,11 @@
 
 First come, first served. Running requests keep their place; each step every running request that has
 uncomputed tokens gets them (a decode needs 1; a long prompt is cut into chunks under the per-step token
-budget so it does not stall the decodes). Waiting requests are admitted in arrival order while a state slot
-and pages are free. When a running request cannot get a page, the youngest running request is preempted:
-its memory is released and it goes back to the front of the queue, to be recomputed later.
+budget so it does not stall the decodes). Only then do decodes get their draft caps (pages and budget for
+speculative tokens), from what is left: drafts never take a running request's own token out of a step nor get
+anyone preempted. Waiting requests are admitted in arrival order while a state slot and pages are free. When a
+running request cannot get a page for its own tokens, the youngest running request is preempted: its memory is
+released and it goes back to the front of the queue, to be recomputed later.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ class Scheduler:
             self.draft_hint = None  # an idle engine's next batch is not the last one: no stale cap
         plan = StepPlan()
         budget = self.max_step_tokens
-        # 1. running requests, oldest first; preempt the youngest when a page is missing
+        # 1. running requests, oldest first, their own tokens (a decode's 1, a prefill's next chunk); preempt the
+        # youngest when a page is missing
+        decodes: list[ScheduledChunk] = []  # (chunks of one token that complete their request: may draft)
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted below while making room for an older request
@@ -102,21 +106,33 @@ class Scheduler:
             n = min(uncomputed, budget)
             if n == 0:
                 continue
-            cap = self._draft_cap(request, budget - n) if n == uncomputed == 1 else 0
-            if not self.memory.can_grow(request.request_id, request.num_computed + n + cap):  # (most steps fit)
-                while not self.memory.can_grow(request.request_id, request.num_computed + n):
-                    victim = self.running[-1]
-                    self._preempt(victim, plan)
-                    if victim is request:
-                        break
-                if request.status is not RequestStatus.RUNNING:
-                    continue
-                while cap and not self.memory.can_grow(request.request_id, request.num_computed + 1 + cap):
-                    cap -= 1  # fewer drafts before anyone is preempted for them
-            self.memory.grow(request.request_id, request.num_computed + n + cap)
-            plan.chunks.append(ScheduledChunk(request, request.num_computed, n, cap))
-            budget -= n + cap
-        # 2. waiting requests in arrival order while memory, slots and the token budget allow
+            while not self.memory.try_grow(request.request_id, request.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            chunk = ScheduledChunk(request, request.num_computed, n)
+            plan.chunks.append(chunk)
+            if n == uncomputed == 1:
+                decodes.append(chunk)
+            budget -= n
+        # 2. then the decodes' drafts, oldest first, from the token budget and pages the running requests' own
+        # tokens left (fewer drafts where pages are short): a reservation for speculative tokens, most of them
+        # rejected, never takes a younger request's decode token out of the step nor gets anyone preempted
+        if self.max_draft:
+            for chunk in decodes:
+                if budget <= 0:
+                    break
+                request = chunk.request  # (still running: preemption victims are younger than any planned chunk)
+                cap = self._draft_cap(request, budget)
+                if cap:
+                    fed = request.num_computed + 1
+                    cap = self.memory.grow_upto(request.request_id, fed, fed + cap) - fed
+                    chunk.draft_cap = cap
+                    budget -= cap
+        # 3. waiting requests in arrival order while memory, slots and the token budget allow
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not plan.preempted:
             request = self.waiting[0]
             n = min(request.num_tokens, budget)
