@@ -7,6 +7,7 @@ max_new_tokens, abort) free their memory.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,9 +61,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
-        for name in ("page_size", "max_running", "max_step_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, optional in (("page_size", False), ("max_running", False), ("max_step_tokens", False),
+                               ("num_pages", True), ("max_model_len", True)):
+            value = getattr(self, name)
+            if optional and value is None:
+                continue  # the engine sizes it
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                allowed = "an integer >= 1" + (" or None (the engine's default)" if optional else "")
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
         for name, optional in (("cuda_graphs", False), ("startup_profile", True), ("freeze_heap", True)):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (optional and value is None):
@@ -102,8 +108,9 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         dtype, device = DTYPES[config.dtype], torch.device(config.device)
-        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 32768)
-        num_pages = config.num_pages or self._auto_num_pages(dtype, device)
+        self.max_model_len = int(config.max_model_len) if config.max_model_len is not None else \
+            min(self.model_config.max_position_embeddings, 32768)
+        num_pages = int(config.num_pages) if config.num_pages is not None else self._auto_num_pages(dtype, device)
         self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
         speculating = config.spec != "off" and config.policy != "ar"
         self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len,
@@ -139,7 +146,7 @@ class EngineCore:
             raise InvalidRequest("prompt must not be empty", "prompt")
         vocab = self.model_config.vocab_size
         for i, t in enumerate(prompt_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise InvalidRequest(
                     f"prompt_token_ids[{i}] must be an integer token id in [0, {vocab}), got {t!r}", "prompt_token_ids")
         if len(prompt_ids) >= self.max_model_len:
@@ -151,7 +158,7 @@ class EngineCore:
         if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight", "request_id")
         self.validate_prompt(prompt_ids)
-        request = Request(request_id, list(prompt_ids), params)
+        request = Request(request_id, [int(t) for t in prompt_ids], params)
         try:
             self.scheduler.add(request)
         except ValueError as e:

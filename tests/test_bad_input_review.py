@@ -404,6 +404,10 @@ def test_llm_token_ids_of_any_integer_type(llm):
         llm.generate([True, 2], params)
     with pytest.raises(TypeError, match="params must be SamplingParams, got dict"):
         list(llm.stream("hi", {"max_new_tokens": 2}))  # type: ignore[arg-type]
+    # EngineCore itself (callers other than LLM) takes numpy ids as ints too
+    llm.engine.add_request("np-ids", [np.int64(104), np.int32(105)], params)
+    assert all(type(t) is int for t in llm.engine.live["np-ids"].request.prompt_ids)
+    llm.engine.abort("np-ids")
 
 
 def test_sampling_params_numpy_bool_is_a_bool():
@@ -412,3 +416,14 @@ def test_sampling_params_numpy_bool_is_a_bool():
     for value in (1, "yes", None, np.array([True])):
         with pytest.raises(InvalidRequest, match="ignore_eos must be true or false"):
             SamplingParams(ignore_eos=value)
+
+
+@pytest.mark.parametrize("name, value", [("num_pages", 0), ("max_model_len", 0), ("max_model_len", -5),
+                                         ("num_pages", 2.5), ("page_size", True), ("max_running", "4")])
+def test_engine_config_refuses_sizes_that_are_not_positive_integers(name, value):
+    """EngineConfig itself (not only LLM) names a size option and its range; 0 is not read as "the default"."""
+    from engine.core import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+        EngineConfig(**{name: value}).validate()
+    EngineConfig(num_pages=None, max_model_len=None).validate()  # None: the engine sizes them
