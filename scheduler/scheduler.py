@@ -97,12 +97,19 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_step_tokens
         # 1. running requests, oldest first, their own tokens (a decode's 1, a prefill's next chunk); preempt the
-        # youngest when a page is missing
+        # youngest when a page is missing. A decode's drafts are budgeted here, in age order as before (a younger
+        # request's prefill chunk does not switch an older decode's drafts off, nor change what a seed gives), but
+        # never from the token every younger running decode needs; their pages come in 2
+        drafting = self.max_draft > 0 and self.draft_hint != 0
+        younger_decodes = sum(1 for r in self.running if r.num_uncomputed == 1) if drafting else 0
         decodes: list[ScheduledChunk] = []  # (chunks of one token that complete their request: may draft)
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted below while making room for an older request
             uncomputed = request.num_uncomputed
+            decode = uncomputed == 1
+            if decode and drafting:
+                younger_decodes -= 1
             n = min(uncomputed, budget)
             if n == 0:
                 continue
@@ -113,25 +120,21 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            chunk = ScheduledChunk(request, request.num_computed, n)
+            cap = self._draft_cap(request, budget - 1 - younger_decodes) if decode and drafting else 0
+            chunk = ScheduledChunk(request, request.num_computed, n, cap)
             plan.chunks.append(chunk)
-            if n == uncomputed == 1:
+            if cap:
                 decodes.append(chunk)
-            budget -= n
-        # 2. then the decodes' drafts, oldest first, from the token budget and pages the running requests' own
-        # tokens left (fewer drafts where pages are short): a reservation for speculative tokens, most of them
-        # rejected, never takes a younger request's decode token out of the step nor gets anyone preempted
-        if self.max_draft:
-            for chunk in decodes:
-                if budget <= 0:
-                    break
-                request = chunk.request  # (still running: preemption victims are younger than any planned chunk)
-                cap = self._draft_cap(request, budget)
-                if cap:
-                    fed = request.num_computed + 1
-                    cap = self.memory.grow_upto(request.request_id, fed, fed + cap) - fed
-                    chunk.draft_cap = cap
-                    budget -= cap
+            budget -= n + cap
+        # 2. then the decodes' draft pages, oldest first, from the pages the running requests' own tokens left
+        # (fewer drafts where pages are short; the budget they do not use goes back): a reservation for speculative
+        # tokens, most of them rejected, never gets anyone preempted
+        for chunk in decodes:
+            request = chunk.request  # (still running: preemption victims are younger than any planned chunk)
+            fed = request.num_computed + 1
+            cap = self.memory.grow_upto(request.request_id, fed, fed + chunk.draft_cap) - fed
+            budget += chunk.draft_cap - cap
+            chunk.draft_cap = cap
         # 3. waiting requests in arrival order while memory, slots and the token budget allow
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not plan.preempted:
             request = self.waiting[0]

@@ -125,6 +125,25 @@ def test_drafts_never_take_a_running_requests_token_out_of_the_step():
             r.output_ids.append(7)
 
 
+def test_a_younger_requests_prefill_chunk_leaves_an_older_decodes_drafts():
+    """Drafts are budgeted in age order: an older decode keeps its drafts while a younger request's long prompt is
+    prefilled in chunks (the chunk gets what is left), so its verified blocks, and what a seed gives, do not depend
+    on who arrived later. (A first version of the three-pass scheduler gave the chunk the whole budget first: every
+    older decode drafted nothing for prompt / max_step_tokens steps, and a seeded `fixed` stream changed.)"""
+    sched = Scheduler(MemoryManager(64, 4, 2), 2, max_step_tokens=16, max_model_len=256, max_draft=4)
+    old = _request("old", 3)
+    _prefill_all(sched, [old])
+    young = _request("young", 85)
+    sched.add(young)
+    for _ in range(3):
+        plan = sched.schedule()
+        chunks = {c.request.request_id: c for c in plan.chunks}
+        assert chunks["old"].num_tokens == 1 and chunks["old"].draft_cap == 4
+        assert chunks["young"].num_tokens == 16 - 1 - 4  # the chunk takes what the older decode left
+        sched.commit(plan, {"old": 0})
+        old.output_ids.append(7)
+
+
 def test_try_grow_and_grow_upto_are_all_or_nothing_and_reserve_what_fits():
     memory = MemoryManager(num_pages=4, page_size=4, num_slots=2)
     memory.admit("a", 5)  # 2 pages
