@@ -112,6 +112,7 @@ class EngineCore:
             min(self.model_config.max_position_embeddings, 32768)
         num_pages = int(config.num_pages) if config.num_pages is not None else self._auto_num_pages(dtype, device)
         self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
+        self.memory_tokens = num_pages * config.page_size  # the most tokens one request can ever hold
         speculating = config.spec != "off" and config.policy != "ar"
         self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len,
                                    max_draft=config.max_verify_len if speculating else 0)

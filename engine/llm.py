@@ -18,9 +18,6 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 MAX_VERIFY_LEN = 16
 AVAILABLE_SPEC = ("off", "ngram", "draft", "mtp", "replay")
 AVAILABLE_POLICIES = POLICIES
-# engine options that are sizes: an integer >= 1 (None where the engine picks one)
-SIZE_OPTIONS = {"num_pages": True, "max_model_len": True, "max_running": False, "max_step_tokens": False,
-                "page_size": False}  # name -> None allowed
 
 
 @dataclass
@@ -59,8 +56,6 @@ class LLM:
                                               **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
-        pages = self.engine.memory.pages
-        self._memory_tokens = pages.num_pages * pages.page_size  # the most tokens one request can ever hold
         # outputs of this LLM's requests in flight not yet consumed: several streams (and generate calls) may be
         # open at once, and each step's outputs go to their own request's buffer, none dropped
         self._outputs: dict[str, list[StepOutput]] = {}
@@ -111,7 +106,8 @@ class LLM:
                 pending.append(out)
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
-        check_length("prompt", len(ids), params.max_new_tokens, self.engine.max_model_len, self._memory_tokens)
+        engine = self.engine
+        check_length("prompt", len(ids), params.max_new_tokens, engine.max_model_len, engine.memory_tokens)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -182,14 +178,9 @@ def _check_params(params: object) -> SamplingParams:
 
 
 def _check_engine_options(options: dict) -> None:
-    """The engine options LLM passes on (EngineConfig's fields): known names, sizes that are integers >= 1."""
+    """The engine options LLM passes on are EngineConfig's fields (their values: EngineConfig.validate)."""
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype", "spec", "policy",
                                                                   "max_verify_len", "draft_model"}
-    for name, value in options.items():
+    for name in options:
         if name not in known:
             raise TypeError(f"LLM got an unexpected option {name!r}; engine options are: {', '.join(sorted(known))}")
-        if name in SIZE_OPTIONS and not (value is None and SIZE_OPTIONS[name]):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                allowed = "an integer >= 1" + (" or None (the engine's default)" if SIZE_OPTIONS[name] else "")
-                raise ValueError(f"{name} must be {allowed}, got {value!r}")
-            options[name] = int(value)

@@ -60,8 +60,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                                                core.max_model_len)
         # the most tokens one request can ever hold: the whole KV pool (a longer one would be refused by the
         # scheduler; checked here so the error names the field and its range like every other)
-        pages = core.memory.pages
-        self.memory_tokens = pages.num_pages * pages.page_size
+        self.memory_tokens = core.memory_tokens
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
