@@ -178,17 +178,22 @@ def test_sampled_first_two_tokens_follow_the_target_distribution_with_speculatio
     expected = _exact_pair_distribution(target, prompt, temperature)
     # 3 tokens: the first comes from the prefill, the second from a verification of one draft
     sp = [SamplingParams(temperature=temperature, max_new_tokens=3, seed=i) for i in range(n)]
+    unseeded = [SamplingParams(temperature=temperature, max_new_tokens=3)] * n
     pvalues = {}
+    # seeded requests take the keyed path (a draft counts iff it equals the keyed target draw); unseeded ones the
+    # rejection rule ("draft-rejection", under the global RNG)
     for name, kwargs in {"off": {}, "draft": {"spec": "draft", "policy": "fixed", "draft_model": str(draft)},
+                         "draft-rejection": {"spec": "draft", "policy": "fixed", "draft_model": str(draft)},
                          "ngram": {"spec": "ngram", "policy": "fixed"}}.items():
         llm = LLM(model=str(target), max_verify_len=1, max_running=256, **kwargs)
-        out = llm.generate([prompt] * n, sp)
+        torch.manual_seed(5)
+        out = llm.generate([prompt] * n, unseeded if name == "draft-rejection" else sp)
         pairs = Counter(r.token_ids[0] * TINY_VOCAB + r.token_ids[1] for r in out)
         pvalues[name] = _chi_square_p(pairs, expected, n)
-        if name == "draft":
+        if name.startswith("draft"):
             stats = [r.stats for r in out]
             drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
-            assert 0 < accepted < drafted  # the rejection rule really ran, both ways
+            assert 0 < accepted < drafted  # the rule really ran, both ways
     assert all(p > 0.01 for p in pvalues.values()), pvalues
     # power: a slightly wrong temperature is detected
     wrong = _exact_pair_distribution(target, prompt, 1.3)
@@ -235,6 +240,24 @@ def test_speculation_under_memory_pressure_preempts_and_stays_lossless(reference
     assert [r.token_ids for r in results] == reference
     assert sum(r.stats.preemptions for r in results) > 0
     assert llm.engine.memory.stats()["used_pages"] == 0 and llm.engine.memory.stats()["used_slots"] == 0
+
+
+@pytest.mark.parametrize("spec, policy", [("ngram", "hybridspec"), ("draft", "budget"), ("draft", "fixed")])
+def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(perturbed_dir, spec, policy):
+    """A seeded sampling request's n-th token is the keyed draw of the target at that index: speculation (any
+    drafter, any policy, any lengths), the batch around it and memory pressure leave its tokens exactly those of
+    plain decoding with the same seed. (Before: the request's one random stream was consumed in the order its
+    blocks used it, so budget/hybridspec gave other tokens in another batch.)"""
+    sp = [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=n, seed=100 + i, ignore_eos=True)
+          for i, n in enumerate(MAX_NEW)]
+    plain = [r.token_ids for r in LLM().generate(PROMPTS, sp)]
+    kwargs = {"draft_model": str(perturbed_dir)} if spec == "draft" else {}
+    llm = LLM(spec=spec, policy=policy, max_verify_len=6, num_pages=24, page_size=4, max_running=9, **kwargs)
+    results = llm.generate(PROMPTS, sp)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.stats.draft_tokens for r in results) > 0
+    alone = llm.generate(PROMPTS[3], sp[3])[0].token_ids  # the same request alone
+    assert alone == plain[3]
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible(perturbed_dir):

@@ -6,6 +6,14 @@ min(1, p_j(d_j) / q_j(d_j)); at the first rejection the replacement is drawn fro
 when every draft is accepted a bonus token is drawn from p_{L+1}. p and q are `processed_probs` of the target
 and draft logits with the request's own temperature / top-k / top-p. A drafter that proposes deterministic
 tokens (n-gram lookup, replay) has q_j = one-hot(d_j).
+
+Seeded sampling requests take the keyed path instead: the token at sequence index n is the inverse-CDF draw of
+p at that index with the uniform keyed_uniform(seed, n), and a draft counts iff it equals that draw (the first
+mismatch is replaced by it; a bonus token is the next index's draw). The output is then exactly the plain keyed
+sampling of the target, token for token, whatever was drafted, batched or preempted: lossless, and a seed gives
+the same tokens. One-hot drafts are accepted with probability p(d), as by the rejection rule; a model drafter
+draws its seeded drafts with the same keyed uniforms from q (drafters.sample_drafts), so where q is close to p its
+drafts mostly equal the target's draws.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import torch
 from torch import Tensor
 
 from scheduler.types import SamplingParams
-from workers.sampling import processed_probs
+from workers.sampling import keyed_choice, keyed_uniform, processed_probs
 
 
 def accept_greedy(choices: list[int], drafts: list[int]) -> tuple[int, list[int]]:
@@ -27,9 +35,17 @@ def accept_greedy(choices: list[int], drafts: list[int]) -> tuple[int, list[int]
 
 
 def accept_sampling(target_logits: Tensor, drafts: list[int], draft_probs: Tensor | None, params: SamplingParams,
-                    generator: torch.Generator | None) -> tuple[int, list[int]]:
-    """Rejection sampling. target_logits [L+1, V]; draft_probs [L, V] (processed) or None for one-hot drafts."""
+                    generator: torch.Generator | None, position: int | None = None) -> tuple[int, list[int]]:
+    """Rejection sampling. target_logits [L+1, V]; draft_probs [L, V] (processed) or None for one-hot drafts.
+    `position`: the sequence index of the token the first row predicts; with a seed, the keyed path (module
+    docstring)."""
     p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p)  # [L+1, V]
+    if params.seed is not None and position is not None:
+        draws = keyed_choice(p, [keyed_uniform(params.seed, position + j) for j in range(len(drafts) + 1)])
+        a = 0
+        while a < len(drafts) and drafts[a] == draws[a]:
+            a += 1
+        return a, drafts[:a] + [draws[a]]
     device = p.device
     for j, d in enumerate(drafts):
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
@@ -52,8 +68,10 @@ def accept_sampling(target_logits: Tensor, drafts: list[int], draft_probs: Tenso
 
 
 def accept(target_logits: Tensor, choices: list[int] | None, drafts: list[int], draft_probs: Tensor | None,
-           params: SamplingParams, generator: torch.Generator | None) -> tuple[int, list[int]]:
-    """target_logits [L+1, V]; choices: their argmax as host ints (needed for greedy requests only)."""
+           params: SamplingParams, generator: torch.Generator | None,
+           position: int | None = None) -> tuple[int, list[int]]:
+    """target_logits [L+1, V]; choices: their argmax as host ints (needed for greedy requests only); `position`:
+    the sequence index of the token the first row predicts (seeded sampling's keyed draws)."""
     if params.temperature == 0:
         return accept_greedy(choices if choices is not None else target_logits.argmax(dim=-1).tolist(), drafts)
-    return accept_sampling(target_logits, drafts, draft_probs, params, generator)
+    return accept_sampling(target_logits, drafts, draft_probs, params, generator, position)

@@ -23,7 +23,7 @@ from scheduler.types import SamplingParams
 from workers.batch import ForwardBatch
 from workers.cache import GDNState, ModelCache, StepScratch
 from workers.model import HybridModel
-from workers.sampling import processed_probs
+from workers.sampling import keyed_choice, keyed_uniform, processed_probs
 
 
 @dataclass
@@ -47,10 +47,13 @@ class Proposal:
     probs: list[Tensor | None] = field(default_factory=list)  # [B] of [k_i, V] draft distributions or None
 
 
-def sample_drafts(logits: Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[Tensor | None], list[float]]:
-    """One draft token per request from a model drafter's logits [B, V]: greedy rows take the argmax (all read
-    back at once), sampled rows draw from the request's processed distribution with its own draft stream.
-    Returns tokens, the draft distribution q of sampled rows (None for greedy: a point mass), confidences."""
+def sample_drafts(logits: Tensor, requests: list[DraftRequest], step: int = 0
+                  ) -> tuple[list[int], list[Tensor | None], list[float]]:
+    """One draft token per request from a model drafter's logits [B, V] (`step`: drafts already proposed for each
+    of them): greedy rows take the argmax (all read back at once), sampled rows draw from the request's processed
+    distribution with its own draft stream, seeded ones with the target's keyed uniform at that token's sequence
+    index (acceptance: the keyed path). Returns tokens, the draft distribution q of sampled rows (None for greedy:
+    a point mass), confidences."""
     probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
     best = probs.max(dim=-1)  # greedy token and its probability, per row
     toks, conf = best.indices.tolist(), best.values.tolist()
@@ -58,7 +61,10 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest]) -> tuple[list[in
     for i, r in enumerate(requests):
         if r.params.temperature > 0:
             q = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
-            toks[i] = int(torch.multinomial(q, 1, generator=r.generator))
+            if r.params.seed is not None:
+                toks[i] = keyed_choice(q[None], [keyed_uniform(r.params.seed, len(r.token_ids) + step)])[0]
+            else:
+                toks[i] = int(torch.multinomial(q, 1, generator=r.generator))
             conf[i], dists[i] = float(q[toks[i]]), q
     return toks, dists, conf
 
@@ -311,7 +317,7 @@ class DraftModelDrafter(Drafter):
             self._copy_slots([r.slot for r in active], to_backup=True)
             live = list(active)
             for j in range(max(r.k for r in active)):
-                toks, dists, cs = sample_drafts(logits, live)
+                toks, dists, cs = sample_drafts(logits, live, j)
                 for r, t, d, c in zip(live, toks, dists, cs):
                     tokens[r.request_id].append(t)
                     conf[r.request_id].append(c)

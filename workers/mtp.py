@@ -181,7 +181,7 @@ class MTPDrafter(Drafter):
             else:
                 m = self._run(tokens_in, hiddens_in, starts, [(r.pages, r.slot) for r in live])
                 logits = self.target.logits(m)  # [B, V] fp32
-            toks, dists, cs = sample_drafts(logits, live)
+            toks, dists, cs = sample_drafts(logits, live, step)
             for i, (r, tok, dist, c) in enumerate(zip(live, toks, dists, cs)):
                 tokens[r.request_id].append(tok)
                 conf[r.request_id].append(c)

@@ -546,7 +546,8 @@ class ModelRunner:
             r = requests[i]
             mine = drafts.get(i, [])
             a, new = accept(logits[lo:hi], choices[lo:hi] if choices is not None else None, mine,
-                            draft_probs.get(i) if mine else None, r.params, self._generator(r))
+                            draft_probs.get(i) if mine else None, r.params, self._generator(r),
+                            r.context_len + len(r.tokens))  # (the sequence index the span's first row predicts)
             result.new_tokens[r.request_id] = new
             if i in drafts:
                 keep[i] = len(r.tokens) + a
