@@ -7,13 +7,13 @@ when every draft is accepted a bonus token is drawn from p_{L+1}. p and q are `p
 and draft logits with the request's own temperature / top-k / top-p. A drafter that proposes deterministic
 tokens (n-gram lookup, replay) has q_j = one-hot(d_j).
 
-Seeded sampling requests take the keyed path instead: the token at sequence index n is the inverse-CDF draw of
-p at that index with the uniform keyed_uniform(seed, n), and a draft counts iff it equals that draw (the first
-mismatch is replaced by it; a bonus token is the next index's draw). The output is then exactly the plain keyed
-sampling of the target, token for token, whatever was drafted, batched or preempted: lossless, and a seed gives
-the same tokens. One-hot drafts are accepted with probability p(d), as by the rejection rule; a model drafter
-draws its seeded drafts with the same keyed uniforms from q (drafters.sample_drafts), so where q is close to p its
-drafts mostly equal the target's draws.
+Seeded sampling requests take the keyed path instead: the token at sequence index n is the exponential race of
+p at that index with noise from a generator keyed by (seed, n) (sampling.keyed_choice: an exact draw from p), and a
+draft counts iff it equals that draw (the first mismatch is replaced by it; a bonus token is the next index's draw).
+The output is then exactly the plain keyed sampling of the target, token for token, whatever was drafted, batched
+or preempted: lossless, and a seed gives the same tokens. One-hot drafts are accepted with probability p(d), as
+by the rejection rule; a model drafter draws its seeded drafts from q with the same keyed noise
+(drafters.sample_drafts), so where q is close to p its drafts mostly equal the target's draws.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from scheduler.types import SamplingParams
-from workers.sampling import keyed_choice, keyed_uniform, processed_probs
+from workers.sampling import keyed_choice, processed_probs
 
 
 def accept_greedy(choices: list[int], drafts: list[int]) -> tuple[int, list[int]]:
@@ -41,7 +41,7 @@ def accept_sampling(target_logits: Tensor, drafts: list[int], draft_probs: Tenso
     docstring)."""
     p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p)  # [L+1, V]
     if params.seed is not None and position is not None:
-        draws = keyed_choice(p, [keyed_uniform(params.seed, position + j) for j in range(len(drafts) + 1)])
+        draws = keyed_choice(p, [(params.seed, position + j) for j in range(len(drafts) + 1)])
         a = 0
         while a < len(drafts) and drafts[a] == draws[a]:
             a += 1

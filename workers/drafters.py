@@ -23,7 +23,7 @@ from scheduler.types import SamplingParams
 from workers.batch import ForwardBatch
 from workers.cache import GDNState, ModelCache, StepScratch
 from workers.model import HybridModel
-from workers.sampling import keyed_choice, keyed_uniform, processed_probs
+from workers.sampling import keyed_choice, processed_probs
 
 
 @dataclass
@@ -51,7 +51,7 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest], step: int = 0
                   ) -> tuple[list[int], list[Tensor | None], list[float]]:
     """One draft token per request from a model drafter's logits [B, V] (`step`: drafts already proposed for each
     of them): greedy rows take the argmax (all read back at once), sampled rows draw from the request's processed
-    distribution with its own draft stream, seeded ones with the target's keyed uniform at that token's sequence
+    distribution with its own draft stream, seeded ones with the target's keyed noise at that token's sequence
     index (acceptance: the keyed path). Returns tokens, the draft distribution q of sampled rows (None for greedy:
     a point mass), confidences."""
     probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
@@ -62,7 +62,7 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest], step: int = 0
         if r.params.temperature > 0:
             q = processed_probs(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p)[0]
             if r.params.seed is not None:
-                toks[i] = keyed_choice(q[None], [keyed_uniform(r.params.seed, len(r.token_ids) + step)])[0]
+                toks[i] = keyed_choice(q[None], [(r.params.seed, len(r.token_ids) + step)])[0]
             else:
                 toks[i] = int(torch.multinomial(q, 1, generator=r.generator))
             conf[i], dists[i] = float(q[toks[i]]), q

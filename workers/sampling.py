@@ -24,26 +24,27 @@ def make_generator(seed: int | None, device) -> torch.Generator | None:
 _MASK64 = (1 << 64) - 1
 
 
-def keyed_uniform(seed: int, position: int) -> float:
-    """A uniform in [0, 1) from (seed, the token's index in its sequence): splitmix64 of a counter, so a seeded
-    request draws the same number for its n-th token whatever else is batched with it, however its tokens were
-    split into steps and whatever was drafted before it (acceptance.accept_sampling's keyed path)."""
+def keyed_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (the request's seed, the token's index in its sequence): splitmix64 of a
+    counter, so a seeded request draws the same noise for its n-th token whatever else is batched with it, however
+    its tokens were split into steps and whatever was drafted before it (acceptance.accept_sampling's keyed path)."""
     z = (int(seed) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) * (1.0 / (1 << 53))
+    return (z ^ (z >> 31)) >> 1
 
 
-def keyed_choice(probs: Tensor, uniforms: list[float]) -> list[int]:
-    """probs [R, V] (rows summing to ~1, zeros allowed), uniforms [R] -> one token per row by the inverse CDF: the
-    first token whose cumulative probability (fp64) exceeds u x the row's total. A token of probability 0 is never
-    chosen; the rows' draws are read back at once."""
-    cdf = probs.double().cumsum(dim=-1)  # [R, V]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]  # [R, 1]
-    idx = torch.searchsorted(cdf, u, right=True).squeeze(1)  # [R]
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)  # [R] last token with p > 0
-    return torch.minimum(idx, last).tolist()
+def keyed_choice(probs: Tensor, keys: list[tuple[int, int]]) -> list[int]:
+    """probs [R, V] (zeros allowed), keys [R] of (seed, sequence index) -> one token per row: argmax of p / E with
+    E ~ Exp(1) per token drawn from the row's keyed generator (the exponential race, Gumbel-max's twin: an exact
+    draw from p; a token of probability 0 is never chosen). A drafter's q and the target's p at the same key race
+    the same E, so their draws agree where q is close to p. The rows' draws are read back at once."""
+    race = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]
+    for r, (seed, position) in enumerate(keys):
+        gen = torch.Generator(device=probs.device)
+        gen.manual_seed(keyed_seed(seed, position))
+        race[r].exponential_(generator=gen)
+    return (probs.float() / race).argmax(dim=-1).tolist()
 
 
 def processed_probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
