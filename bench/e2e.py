@@ -99,6 +99,9 @@ class RunResult:
     # its sync: decode_s leaves it out) and how many such gaps
     between_s: float = 0.0
     between_gaps: int = 0
+    # decode steps without drafts by the graph bucket they ran ("RxT block B pages P", "eager"): their step ms, to
+    # tell a policy's plain steps from ar's in the same bucket (bench/NOTES.md, 2026-12-05 11:21 item 4)
+    plain_ms_by_bucket: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
     def row(self) -> dict:
@@ -122,7 +125,16 @@ class RunResult:
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "tokens_per_step_mean": statistics.fmean(self.step_tokens) if self.step_tokens else 0.0,
             "step_ms_by_tokens": step_ms_by_tokens(self.step_tokens, self.step_ms),
+            "plain_step_ms_by_bucket": {k: [len(v), statistics.median(v)]
+                                        for k, v in sorted(self.plain_ms_by_bucket.items())},
         }
+
+
+def bucket_label(key) -> str:
+    """A graph bucket as host_phases names it ("RxT block B pages P"); "eager" for a step without one."""
+    if key is None:
+        return "eager"
+    return f"{key.requests}x{key.tokens} block {key.max_block} pages {key.pages}"
 
 
 def step_ms_by_tokens(tokens: list[int], ms: list[float], max_bins: int = 24) -> dict[int, list[float]]:
@@ -188,6 +200,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
     decode_tokens, captures, eager = 0, 0, 0
     full_tokens, full_steps = 0, set()  # decode steps that ran every request of the cell
     widths: dict[int, int] = {}
+    plain_by_bucket: dict[str, list[float]] = {}
     first_token_s: dict[str, float] = {}
     done_s: dict[str, float] = {}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
@@ -216,6 +229,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
         last = now if decode_step else None
         if decode_step and getattr(runner, "last_draft_width", 0):
             widths[runner.last_draft_width] = widths.get(runner.last_draft_width, 0) + 1
+        elif decode_step:
+            plain_by_bucket.setdefault(bucket_label(getattr(runner, "last_step_key", None)), []).append(step_ms[-1])
         steps += 1
         full = decode_step and len(work) == len(prompts)
         if full:
@@ -241,7 +256,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_new: int, max_draft
                      tally.verified,
                      [r.output_ids for r in reqs], decode_tokens, decode_s, captures,
                      [t for i, t in enumerate(step_tokens) if i not in pre], eager, widths, full_tokens, full_s,
-                     between_s, between_gaps)
+                     between_s, between_gaps, plain_by_bucket)
 
 
 def measured_start(args) -> None:
@@ -301,7 +316,9 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         draft_widths={w: sum(r.draft_widths.get(w, 0) for r in runs)
                       for w in {w for r in runs for w in r.draft_widths}},
         full_tokens=sum(r.full_tokens for r in runs), full_s=sum(r.full_s for r in runs),
-        between_s=sum(r.between_s for r in runs), between_gaps=sum(r.between_gaps for r in runs))
+        between_s=sum(r.between_s for r in runs), between_gaps=sum(r.between_gaps for r in runs),
+        plain_ms_by_bucket={k: [x for r in runs for x in r.plain_ms_by_bucket.get(k, [])]
+                            for k in {k for r in runs for k in r.plain_ms_by_bucket}})
 
 
 def run_rates(runs: list[RunResult]) -> list[float]:

@@ -162,7 +162,7 @@ class Phases:
                 self.stamps["replay"] = time.perf_counter()
                 key = a[0] if a else k.get("key")
                 if key is not None:  # which graph ran: a part of no time, counted (its steps: the row's count)
-                    self.step[f"bucket {key.requests}x{key.tokens} block {key.max_block} pages {key.pages}"] = 0.0
+                    self.step[f"bucket {e2e.bucket_label(key)}"] = 0.0
             return out
         graphs.StepGraphs.run = stamped_run
         accept = runner.accept

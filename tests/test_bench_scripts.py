@@ -203,6 +203,10 @@ def test_e2e_tiny_repeats_alternate_policies_and_sum_their_runs(tmp_path):
         # (fixed4 drafts every decode step; hybridspec's gate decides from measured times, and on a busy machine may
         # decode a short run plainly)
         assert (widths or policy != "fixed4") and sum(widths.values()) <= binned and max(widths, default=0) <= 16
+        # the other decode steps (no drafts) by the graph bucket they ran, with their median ms: both runs pooled
+        plain = row["plain_step_ms_by_bucket"]
+        assert sum(n for n, _ in plain.values()) == binned - sum(widths.values())
+        assert all(k.startswith(("1x", "2x")) and " block " in k and ms > 0 for k, (n, ms) in plain.items())
         # the steps that ran both requests (the closed batch's tail left out): a share of the decode time
         assert row["full_batch_tokens_per_s"] > 0 and 0 < row["full_batch_step_share"] <= 1
         assert row["full_batch_speedup_vs_ar"] == row["full_batch_tokens_per_s"] / cell_ar["full_batch_tokens_per_s"]
@@ -239,7 +243,12 @@ def test_e2e_tiny_plain_path_variants(tmp_path):
     for policy in ("ar-drafter", "hybridspec-plain"):
         row = next(r for r in rows if r["policy"] == policy)
         assert row["greedy_match"] == 1.0 and row["draft_tokens"] == 0 and row["drafted_width_steps"] == {}
+        cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.5)
         assert row["speedup_vs_ar"] > 0 and row["tokens_per_step_mean"] == 2  # plain steps of both requests
+        # every decode step was plain: all of them by bucket, ar's too (its plain steps in the same buckets)
+        buckets = row["plain_step_ms_by_bucket"]
+        assert sum(n for n, _ in buckets.values()) == sum(n for n, _ in row["step_ms_by_tokens"].values())
+        assert set(buckets) <= set(cell_ar["plain_step_ms_by_bucket"]) | {"eager"}
     # ar runs in the cell's round also at --repeats 1: the speedups are over that run, not the concurrency's first
     cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.5)
     assert len(cell_ar["runs_decode_tokens_per_s"]) == 1

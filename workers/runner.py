@@ -571,6 +571,7 @@ class ModelRunner:
         self.last_step_captured = captured or self.captures_total() > captures_at_start
         self.last_step_eager = graphs is not None and decode_only and key is None  # graphs on, this step eager
         self.last_draft_width = max((r.k for r in draft_reqs), default=0)  # drafts asked per request (0: none)
+        self.last_step_key = key  # the graph bucket the step ran (None: eager), for benchmarks' per-bucket times
         # with graphs on, an eager step (prefill, mixed) is host-bound and of another kind: no sample of the
         # latency model, which plans the graphed decode/verify steps
         forward_ms = timer.elapsed_ms() if timed else None
