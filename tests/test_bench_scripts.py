@@ -240,17 +240,16 @@ def test_e2e_tiny_plain_path_variants(tmp_path):
     result = json.loads((tmp_path / "e2e.json").read_text())
     rows = result["rows"]
     assert result["meta"]["freeze_heap"] is False  # (the A/B switch; the default is the engine's frozen heap)
+    # ar runs in the cell's round also at --repeats 1: the speedups are over that run, not the concurrency's first
+    cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.5)
     for policy in ("ar-drafter", "hybridspec-plain"):
         row = next(r for r in rows if r["policy"] == policy)
         assert row["greedy_match"] == 1.0 and row["draft_tokens"] == 0 and row["drafted_width_steps"] == {}
-        cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.5)
         assert row["speedup_vs_ar"] > 0 and row["tokens_per_step_mean"] == 2  # plain steps of both requests
         # every decode step was plain: all of them by bucket, ar's too (its plain steps in the same buckets)
         buckets = row["plain_step_ms_by_bucket"]
         assert sum(n for n, _ in buckets.values()) == sum(n for n, _ in row["step_ms_by_tokens"].values())
         assert set(buckets) <= set(cell_ar["plain_step_ms_by_bucket"]) | {"eager"}
-    # ar runs in the cell's round also at --repeats 1: the speedups are over that run, not the concurrency's first
-    cell_ar = next(r for r in rows if r["policy"] == "ar" and r["acceptance"] == 0.5)
     assert len(cell_ar["runs_decode_tokens_per_s"]) == 1
     for policy in ("ar-drafter", "hybridspec-plain"):
         row = next(r for r in rows if r["policy"] == policy)
