@@ -51,7 +51,8 @@ def width_from() -> int:
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
-             "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",)}
+             "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
+             "thinplain": ("thinplain",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -59,6 +60,7 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2); it now comes every
 # COUNTS_FOLD_EVERY samples, a sample every COUNTS_SAMPLE_EVERY-th step that carries counts (verification steps)
 COUNTS_FOLD_EVERY = 32
+THIN_PLAIN_EVERY = 8  # the thinplain ablation's rebuilds: one per this many plain samples of a bucket
 COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
 OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
 PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count
@@ -280,6 +282,10 @@ class LengthPolicy:
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
+        # hybridspec: its cost table rebuilt (and the next plan's costs primed) after every this many plain samples
+        # of a bucket (1: every sample; the thinplain ablation: THIN_PLAIN_EVERY), each sample still observed
+        self.plain_rebuild_every = 1
+        self._plain_since_rebuild: dict[int, int] = {}
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
         self._width_choice: dict[int, WidthChoice] = {}  # per batch-size bucket
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
@@ -313,7 +319,9 @@ class LengthPolicy:
         to verify <= 5, bench/NOTES.md 2026-12-04); nowidth: plans price the
         step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
-        path costs)."""
+        path costs); thinplain: a plain step's sample rebuilds the bucket's cost table and primes the next plan's
+        costs only every THIN_PLAIN_EVERY-th time (the plan reads a table up to that many plain samples stale: is
+        the learning after every plain step what slows the host's next critical path? bench/NOTES.md 2026-12-06)."""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
@@ -331,6 +339,8 @@ class LengthPolicy:
             self.draft_margin = 1
         if "plain" in parts:
             self.gate.force_plain = True
+        if "thinplain" in parts:
+            self.plain_rebuild_every = THIN_PLAIN_EVERY
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -803,6 +813,11 @@ class LengthPolicy:
                 if b not in tables:
                     tables[b] = TokenCostTable()
                 tables[b].observe(n, obs.forward_ms)
+                if not anchor and self.plain_rebuild_every > 1 and n == comp.num_requests:  # a plain sample
+                    seen = self._plain_since_rebuild.get(b, 0) + 1
+                    self._plain_since_rebuild[b] = seen % self.plain_rebuild_every
+                    if seen < self.plain_rebuild_every and b in self._cost_tables:
+                        return  # the table (and its primed costs) kept until the bucket's next rebuild
                 # rebuilt here, in the learning (on CUDA while the next forward is on the device), not by the next
                 # plan on the step's critical path: the table is a pure function of what changed just above, so
                 # the plan reads the same one (~0.05 ms of a c=1 hybridspec step's plan on this CPU, /tmp probe
