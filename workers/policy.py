@@ -60,10 +60,10 @@ WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies tak
 # every 8 steps cost ~0.5 ms a step on the H200 at 40 x 256 (bench/NOTES.md, e2e at 69faaf2); it now comes every
 # COUNTS_FOLD_EVERY samples, a sample every COUNTS_SAMPLE_EVERY-th step that carries counts (verification steps)
 COUNTS_FOLD_EVERY = 32
-THIN_PLAIN_EVERY = 8  # the thinplain ablation's rebuilds: one per this many plain samples of a bucket
 COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
 OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
 PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count
+THIN_PLAIN_EVERY = 8  # the thinplain ablation's rebuilds: one per this many plain samples of a bucket
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 # the router correction's extra token only from this batch-size bucket on: below, the batch's other tokens rarely
