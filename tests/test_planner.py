@@ -1876,19 +1876,21 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     cfg = _moe_config()
     from workers.policy import DRAFT_MARGIN, THIN_PLAIN_EVERY
 
-    # (extra, counts, gate, width, plain, extra gate, margin, plain samples a rebuild)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, 1)
+    # (extra, counts, gate, width, plain, extra gate, margin, plain samples a rebuild, quiet plain streaks)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, 1, True)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
-              "margin1": on[:6] + (1,) + on[7:], "thinplain": on[:7] + (THIN_PLAIN_EVERY,)}
+              "margin1": on[:6] + (1,) + on[7:], "thinplain": on[:7] + (THIN_PLAIN_EVERY,) + on[8:],
+              "noquiet": on[:8] + (False,)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
-                policy.extra_gate is not None, policy.draft_margin, policy.plain_rebuild_every) == parts, variant
+                policy.extra_gate is not None, policy.draft_margin, policy.plain_rebuild_every,
+                policy.quiet_plain) == parts, variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW
@@ -2293,3 +2295,110 @@ def test_thinplain_rebuilds_the_cost_table_once_per_n_plain_samples_and_after_ev
         assert table is not None and table.cost_ms(12) > table.cost_ms(4) > 0  # the drafted sample is in the table
     assert builds[None] == (2 * THIN_PLAIN_EVERY, 1)
     assert builds["thinplain"] == (3, 1)  # the first (no table yet), then every THIN_PLAIN_EVERY-th
+
+
+def _gate_steps(quiet_on: bool, steps: int, seed: int) -> tuple[list, dict, int]:
+    """The runner's call order around hybridspec's gate on the CUDA path (cycles thinned), with quiet plain streaks
+    (SpeculationGate.quiet_streak / quiet_step) or without, on a stream of pinned cycle times: plain and speculation
+    lead in turn, the batch size moves between two buckets now and then. -> (per step (batch size, drafted, timed),
+    the gate's counters, quiet steps)."""
+    import random
+
+    from workers.policy import SpeculationGate
+
+    rng = random.Random(seed)
+    gate = SpeculationGate()
+    quiet, hinted_plain, sampling, quiet_steps = None, False, True, 0
+    trace = []
+    for t in range(steps):
+        size = 4 if (t // 97) % 3 else rng.choice((3, 4, 8))
+        q = quiet is not None and quiet[0] == size and hinted_plain and not sampling
+        if not q:
+            quiet = None
+        if q:
+            gate.quiet_step(size, start=True)
+            drafted = False
+            quiet_steps += 1
+        elif hinted_plain:
+            gate.should_draft(size, sampled=sampling, only_plain=True)
+            drafted = False
+        else:
+            drafted = gate.should_draft(size, sampled=sampling)
+        trace.append((size, drafted, sampling))
+        if sampling:
+            spec_ms = 40.0 if (t // 300) % 2 == 0 else 12.0  # plain leads, then speculation, ...
+            gate.observe(size, drafted, 3.0 * size if drafted else float(size), spec_ms if drafted else 10.0)
+        if q and quiet[1] > 1:
+            gate.quiet_step(size, start=False)
+            quiet, sampling = (size, quiet[1] - 1), False
+        else:
+            sampling = gate.wants_sample(size)
+            hinted_plain = not gate.would_draft(size, sampled=sampling)
+            n = gate.quiet_streak(size) if quiet_on and hinted_plain and not sampling else -1
+            quiet = (size, n + 1) if n >= 0 else None
+    counters = {"asked": gate.asked, "ticks": gate.ticks, "decisions": gate.decisions, "samples": gate.samples,
+                "rate": gate.rate}
+    return trace, counters, quiet_steps
+
+
+def test_quiet_plain_streaks_decide_every_step_as_asking_the_gate_would(monkeypatch):
+    """A quiet plain step counts the verdict its streak knew (plain, untimed, no probe) instead of asking the gate:
+    over long runs in the runner's call order (plain and speculation leading in turn, probes, timed steps every
+    SAMPLE_EVERY-th, batch sizes moving between buckets) every step drafts, is timed and probes exactly as when the
+    gate is asked at every step, and the gate's counters end the same; most plain steps are quiet."""
+    from workers.policy import SpeculationGate
+
+    monkeypatch.setattr(SpeculationGate, "SAMPLE_EVERY", 4)
+    for seed in range(3):
+        asked, counted, _ = _gate_steps(False, 1500, seed)
+        quiet, counted_quiet, n = _gate_steps(True, 1500, seed)
+        assert quiet == asked and counted_quiet == counted
+        plain = sum(1 for _, drafted, _ in asked if not drafted)
+        assert 0.4 * plain < n < plain, (n, plain)  # quiet: many plain steps, never the timed ones
+        assert any(d for _, d, _ in asked) and any(not d for _, d, _ in asked)
+    # no streak where its verdicts depend on more than the counters
+    gate = SpeculationGate()
+    assert gate.quiet_streak(4) == -1  # unmeasured
+    for drafted, ms in ((True, 12.0), (False, 10.0)) * SpeculationGate.MIN_SAMPLES:
+        gate.observe(4, drafted, 12.0 if drafted else 4.0, ms)
+    assert gate.quiet_streak(4) == -1  # speculation leads
+    gate.force_plain = True
+    assert gate.quiet_streak(4) == -1
+
+
+def test_served_quiet_plain_steps_keep_the_output_and_the_gate_s_decisions(monkeypatch):
+    """Served end to end on the gate's CUDA path (cycles thinned; pinned cycle times, plain decoding 3x faster):
+    with quiet plain streaks the output is the greedy output and the gate's decisions and counters are those of the
+    same run asking the gate at every step; most plain steps were quiet, and every quiet step's verdict is the one
+    the gate would give afresh (plain, no probe) with the untimed step after it not due for timing."""
+    import copy
+
+    from workers.policy import LengthPolicy, SpeculationGate
+    from workers.runner import _StepEnds
+
+    monkeypatch.setattr(_StepEnds, "THIN", True)
+    monkeypatch.setattr(_StepEnds, "GAP_MS", 1e9)  # (a slow machine's pause between steps drops no sample)
+    checked = {"start": 0, "end": 0}
+    real = SpeculationGate.quiet_step
+
+    def checking(gate, batch_size, start):
+        b = gate.bucket(batch_size)
+        if start:
+            assert gate._verdict(b, None, False) == (False, True, False)
+            checked["start"] += 1
+        else:
+            assert not copy.deepcopy(gate).wants_sample(batch_size)
+            checked["end"] += 1
+        return real(gate, batch_size, start)
+    monkeypatch.setattr(SpeculationGate, "quiet_step", checking)
+    runs = {}
+    streak = LengthPolicy.quiet_streak
+    for on in (False, True):  # (off: what the noquiet ablation does)
+        monkeypatch.setattr(LengthPolicy, "quiet_streak", streak if on else lambda self, batch_size: -1)
+        runner, _, _, _, _, _, res = _served_with_wrong_drafts(80, monkeypatch)  # (checks the greedy output)
+        g = runner.policy.gate
+        runs[on] = (list(g.decisions), dict(g.asked), dict(g.ticks), dict(g.samples), res.steps)
+        if not on:
+            assert checked == {"start": 0, "end": 0}
+    assert runs[True] == runs[False]
+    assert checked["start"] > 0.5 * runs[True][0][0] and checked["end"] > 0, (checked, runs[True][0])

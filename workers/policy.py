@@ -52,7 +52,7 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "thinplain": ("thinplain",)}
+             "thinplain": ("thinplain",), "noquiet": ("quiet",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -286,6 +286,8 @@ class LengthPolicy:
         # of a bucket (1: every sample; the thinplain ablation: THIN_PLAIN_EVERY), each sample still observed
         self.plain_rebuild_every = 1
         self._plain_since_rebuild: dict[int, int] = {}
+        # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
+        self.quiet_plain = True
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
         self._width_choice: dict[int, WidthChoice] = {}  # per batch-size bucket
         # (plan's predicted ms, measured ms) of drafted decode steps: how well the plan knows what a step costs
@@ -321,7 +323,8 @@ class LengthPolicy:
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
         path costs); thinplain: a plain step's sample rebuilds the bucket's cost table and primes the next plan's
         costs only every THIN_PLAIN_EVERY-th time (the plan reads a table up to that many plain samples stale: is
-        the learning after every plain step what slows the host's next critical path? bench/NOTES.md 2026-12-06)."""
+        the learning after every plain step what slows the host's next critical path? No: bench/NOTES.md
+        2026-12-06); noquiet: no quiet plain streaks (the runner asks the gate at every plain step)."""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
@@ -341,6 +344,8 @@ class LengthPolicy:
             self.gate.force_plain = True
         if "thinplain" in parts:
             self.plain_rebuild_every = THIN_PLAIN_EVERY
+        if "quiet" in parts:
+            self.quiet_plain = False
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -404,6 +409,12 @@ class LengthPolicy:
             self._peek_contexts = contexts()
             return self._plain_hint(self._peek_contexts)
         return sample, gate.would_draft(batch_size, hint, sample or not thin)
+
+    def quiet_streak(self, batch_size: int) -> int:
+        """After next_step answered (untimed, plain) for the next step: SpeculationGate.quiet_streak (-1: none)."""
+        if self.gate is None or not self.quiet_plain or not self.warm():
+            return -1
+        return self.gate.quiet_streak(batch_size)
 
     def _plain_hint(self, contexts: list[int]) -> float | None:
         """The latency model's plain step of len(contexts) tokens as output tokens per ms per request (the gate's

@@ -224,6 +224,11 @@ class _StepEnds:
         now = self.clock()
         self.resume = (now if host or not self.cuda else self.mark(), now)
 
+    def quiet_end(self) -> None:
+        """step_ended of a quiet plain step (untimed, no gate sample; a streak starts with nothing pending)."""
+        self.last_end = (None, False)
+        self.resume = None
+
     def end_mark(self, launched_after_readback: bool):
         """The marker of a step's end (after its last launch): the host clock where its cycle began on the host
         clock and the step launched nothing after its read-back (the device idles from there), else mark()."""
@@ -253,6 +258,11 @@ class ModelRunner:
         # the last draft-cap hint reported was 0 (the gate's peeked verdict: plain); kept across steps with a
         # prefill and across policy swaps, as the scheduler keeps the hint
         self._hinted_plain = False
+        # hybridspec's quiet plain steps ahead: (batch size, steps) whose gate verdicts are known to be plain, untimed
+        # and no probe (SpeculationGate.quiet_streak; the last of them asks next_step again); None: none. A quiet
+        # step counts its verdict instead of asking the gate (should_draft, observe_outcome, step_ended, next_step,
+        # resumed: ~0.04 ms of a plain step's host time on the H200 host, bench/NOTES.md 2026-12-06)
+        self._quiet: tuple[int, int] | None = None
         # CUDA: the policy's error report (POLICY_STATS_EVERY) is owed by the last step and made inside the next
         # one's forward (each report was ~0.3 ms of host time after a step's read-back on the H200 host, 9aa5dee)
         self._stats_due = False
@@ -272,6 +282,7 @@ class ModelRunner:
             self._owed_stats, self._stats_due = self._policy_stats(), False
         self.policy = policy
         self._ends = _StepEnds(self.device)
+        self._quiet = None
         self._ends.between = policy.gate_between  # the diagnostic accumulates over the policy's runs
 
     @classmethod
@@ -421,7 +432,15 @@ class ModelRunner:
         # steps, so that its probes come due; where its verdict is to draft now (the batch moved to another bucket)
         # there are no drafts: a plain step that the gate does not count (a due probe stays due, and the next hint
         # announces it)
-        if self.drafter is not None and decode_only and not spec and self._hinted_plain and \
+        # A quiet plain step (a streak's: its verdict, plain, untimed and no probe, known since the streak began,
+        # _quiet) only counts it; a streak ends at any other step (another batch size, a prefill, a timed step)
+        quiet = self._quiet is not None and self._quiet[0] == len(requests) and decode_only and not spec and \
+            self._hinted_plain and not self._ends.sampling and self.drafter is not None
+        if not quiet:
+            self._quiet = None
+        if quiet:
+            self.policy.gate.quiet_step(len(requests), start=True)
+        elif self.drafter is not None and decode_only and not spec and self._hinted_plain and \
                 self.policy.gate is not None:
             # plain: counted, its probe clock advances (one verdict: True is one the step misses, not counted)
             if self.policy.should_draft([r.context_len for r in requests], self._ends.sampling, only_plain=True):
@@ -593,14 +612,18 @@ class ModelRunner:
         if not self.defer_learning:
             self.flush_learning()
         sample = None
-        if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
-            tokens = self.policy.observe_outcome(len(requests), bool(draft_reqs),
-                                                 sum(len(v) for v in result.new_tokens.values()), step_ms, forward_ms)
-            sample = None if tokens is None else (len(requests), bool(draft_reqs), tokens)
-        if gated:
-            for cycle in self._ends.step_ended(start, ended, end, sample):
-                self.policy.observe_cycle(*cycle)
-            self.policy.gate_dropped += self._ends.take_dropped()
+        if quiet:  # untimed and plain: no gate sample, nothing pending to read (a streak starts with none)
+            self._ends.quiet_end()
+        else:
+            if decode_only and self.drafter is not None and self.captures_total() == captures_at_start:
+                tokens = self.policy.observe_outcome(len(requests), bool(draft_reqs),
+                                                     sum(len(v) for v in result.new_tokens.values()), step_ms,
+                                                     forward_ms)
+                sample = None if tokens is None else (len(requests), bool(draft_reqs), tokens)
+            if gated:
+                for cycle in self._ends.step_ended(start, ended, end, sample):
+                    self.policy.observe_cycle(*cycle)
+                self.policy.gate_dropped += self._ends.take_dropped()
         self._steps += 1
         if self._steps % POLICY_STATS_EVERY == 1:  # the first step, then every POLICY_STATS_EVERY
             if self.defer_learning:  # reported by the next step, from inside its forward (off the critical path)
@@ -608,16 +631,25 @@ class ModelRunner:
             else:
                 result.policy_stats = self._policy_stats()
         sample_next = False
+        streak = quiet and self._quiet[1] > 1
         if decode_only and self.drafter is not None and self.policy.name != "ar":
             # the scheduler's next reservation: the drafts per request worth drafting at this batch size, none
             # where the gate will decode the next step plainly (its reserved pages would go back unused, and
             # longer page tables can move the step to a wider graph bucket). A step with a prefill reports no
             # hint: the scheduler keeps the last one, and so does _hinted_plain. The gate's two questions about
             # the next step (time its cycle? draft?) in one call, its verdict kept for that step
-            if gated:
+            if streak:  # the next step is quiet too: untimed, plain (its tick counted)
+                self.policy.gate.quiet_step(len(requests), start=False)
+                self._quiet = (self._quiet[0], self._quiet[1] - 1)
+            elif gated:
                 sample_next, drafts = self.policy.next_step(
                     len(requests), lambda: [r.context_len + keep[i] for i, r in enumerate(requests)], self._ends.thin)
                 self._hinted_plain = not drafts
+                # a quiet streak: the next step and the n after it are plain, untimed, no probe (SpeculationGate.
+                # quiet_streak), while the gate learns nothing (no cycle pending; untimed steps give none)
+                n = self.policy.quiet_streak(len(requests)) if not drafts and not sample_next and \
+                    self._ends.thin and not self._ends.pending else -1
+                self._quiet = (len(requests), n + 1) if n >= 0 else None
             else:
                 self._hinted_plain = False
             if self._hinted_plain:
@@ -627,7 +659,7 @@ class ModelRunner:
                 result.draft_cap_hint = self.policy.max_verify_len if cap is None else cap
         elif gated:
             sample_next = self.policy.wants_cycle(len(requests))
-        if gated:  # (after the hint: its host time is this step's, not the next cycle's)
+        if gated and not streak:  # (after the hint: its host time is this step's, not the next cycle's)
             self._ends.resumed(sample_next, host=self._hinted_plain and not launched_after)
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result

@@ -191,6 +191,37 @@ class SpeculationGate:
         probe = sampled and self.asked.get(b, 0) + 1 >= self._spacing(b, spec_wins and ahead())
         return spec_wins != probe, True, probe
 
+    def quiet_streak(self, batch_size: int) -> int:
+        """Right after would_draft answered plain for the next step of this batch size, untimed and no probe: how
+        many steps after that one are plain, untimed and no probe too, as long as the gate learns nothing new (the
+        runner's quiet plain steps: they count their verdict with quiet_step instead of asking for it). -1 where the
+        answer depends on more than the bucket's counters: a bucket not measured by itself, speculation leading,
+        forced plain decoding, every step timed. The runner's next_step at a step's end increments the bucket's
+        ticks (a timed step every SAMPLE_EVERY-th) unless a probe is due (asked + 1 >= the spacing), and the next
+        step's start counts asked (+1); step j after the peeked one is the first that is timed or probes:
+        (ticks + j) % SAMPLE_EVERY == 0 or asked + j + 1 >= spacing."""
+        b = self.bucket(batch_size)
+        own, least = self.own, self.MIN_SAMPLES
+        if self.force_plain or self.SAMPLE_EVERY <= 1 or b in self.inherited or \
+                own.get((b, True), 0) < least or own.get((b, False), 0) < least:
+            return -1
+        if self.rate[(b, True)] >= self.rate[(b, False)] * (1.0 + self.SPEC_MARGIN):
+            return -1
+        ticks, every = self.ticks.get(b, 0), self.SAMPLE_EVERY
+        return max(0, min(self._spacing(b, False) - self.asked.get(b, 0) - 2, every - ticks % every - 1))
+
+    def quiet_step(self, batch_size: int, start: bool) -> None:
+        """A quiet plain step's counting (quiet_streak): at its start the plain verdict it was given (should_draft's
+        count: asked + 1, one more plain decision; no verdict is kept), at its end next_step's tick of the step
+        after it (wants_sample's count: that step is untimed)."""
+        b = self.bucket(batch_size)
+        if start:
+            self._peek = None
+            self.asked[b] = self.asked.get(b, 0) + 1
+            self.decisions[0] += 1
+        else:
+            self.ticks[b] = self.ticks.get(b, 0) + 1
+
     def _spacing(self, b: int, ahead: bool) -> int:
         """probe_spacing at bucket b's rates, kept until the gate learns a sample (two calls a step otherwise)."""
         n = self._spacings.get((b, ahead))
