@@ -435,7 +435,7 @@ class ModelRunner:
         # A quiet plain step (a streak's: its verdict, plain, untimed and no probe, known since the streak began,
         # _quiet) only counts it; a streak ends at any other step (another batch size, a prefill, a timed step)
         quiet = self._quiet is not None and self._quiet[0] == len(requests) and decode_only and not spec and \
-            self._hinted_plain and not self._ends.sampling and self.drafter is not None
+            self._hinted_plain and not self._ends.sampling and self.drafter is not None and self.policy.gate is not None
         if not quiet:
             self._quiet = None
         if quiet:
