@@ -2402,3 +2402,23 @@ def test_served_quiet_plain_steps_keep_the_output_and_the_gate_s_decisions(monke
             assert checked == {"start": 0, "end": 0}
     assert runs[True] == runs[False]
     assert checked["start"] > 0.5 * runs[True][0][0] and checked["end"] > 0, (checked, runs[True][0])
+
+
+def test_a_quiet_streak_ends_where_the_policy_loses_its_gate(monkeypatch):
+    """A live policy whose gate is switched off mid-streak (as expert parallelism's slowest-rank observation does)
+    serves on without the gate: the next step decodes as any gateless step (review of 0e26e18)."""
+    from workers.runner import ModelRunner, _StepEnds
+
+    monkeypatch.setattr(_StepEnds, "THIN", True)
+    monkeypatch.setattr(_StepEnds, "GAP_MS", 1e9)
+    real = ModelRunner.execute
+    cut = []
+
+    def execute(self, requests):
+        if not cut and self._quiet is not None and self._quiet[1] > 1:
+            cut.append(self._quiet)
+            self.policy.gate = None
+        return real(self, requests)
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    _served_with_wrong_drafts(80, monkeypatch)  # (checks the greedy output)
+    assert cut  # a streak was running when the gate went
