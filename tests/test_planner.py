@@ -1874,23 +1874,21 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import ABLATIONS, LengthPolicy
 
     cfg = _moe_config()
-    from workers.policy import DRAFT_MARGIN, THIN_PLAIN_EVERY
+    from workers.policy import DRAFT_MARGIN
 
-    # (extra, counts, gate, width, plain, extra gate, margin, plain samples a rebuild, quiet plain streaks)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, 1, True)
+    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, True)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
-              "margin1": on[:6] + (1,) + on[7:], "thinplain": on[:7] + (THIN_PLAIN_EVERY,) + on[8:],
-              "noquiet": on[:8] + (False,)}
+              "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
-                policy.extra_gate is not None, policy.draft_margin, policy.plain_rebuild_every,
-                policy.quiet_plain) == parts, variant
+                policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain) == parts, variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW
@@ -2265,36 +2263,6 @@ def test_a_step_that_reads_nothing_back_starts_the_next_cycle_on_an_event(monkey
     runner._hinted_plain = True
     runner.execute([decode])
     assert starts[-2:] == [False, True]
-
-
-def test_thinplain_rebuilds_the_cost_table_once_per_n_plain_samples_and_after_every_drafted_one():
-    """hybridspec-thinplain: every sample is observed, but a plain step's (tokens == requests) rebuilds the bucket's
-    cost table only every THIN_PLAIN_EVERY-th time; a verification step's rebuilds it at once; default: every one."""
-    from workers.policy import THIN_PLAIN_EVERY, LengthPolicy, StepObservation
-
-    cfg = _moe_config()
-    builds = {}
-    for variant in (None, "thinplain"):
-        policy = LengthPolicy("hybridspec", cfg)
-        if variant:
-            policy.ablate(variant)
-        count = [0]
-        build = policy._build_cost_table
-
-        def counted(b, build=build, count=count):
-            count[0] += 1
-            return build(b)
-
-        policy._build_cost_table = counted
-        for _ in range(2 * THIN_PLAIN_EVERY):  # plain steps of 4 requests
-            policy.observe(None, StepObservation([1] * 4, [100] * 4, 3.0, None, []), None)
-        plain = count[0]
-        policy.observe(None, StepObservation([3] * 4, [100] * 4, 5.0, None, []), None)  # a verification step
-        builds[variant] = (plain, count[0] - plain)
-        table = policy.cost_table(4)
-        assert table is not None and table.cost_ms(12) > table.cost_ms(4) > 0  # the drafted sample is in the table
-    assert builds[None] == (2 * THIN_PLAIN_EVERY, 1)
-    assert builds["thinplain"] == (3, 1)  # the first (no table yet), then every THIN_PLAIN_EVERY-th
 
 
 def _gate_steps(quiet_on: bool, steps: int, seed: int) -> tuple[list, dict, int]:

@@ -52,7 +52,7 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "thinplain": ("thinplain",), "noquiet": ("quiet",)}
+             "noquiet": ("quiet",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -63,7 +63,6 @@ COUNTS_FOLD_EVERY = 32
 COUNTS_SAMPLE_EVERY = 4  # popularity is a sample: one step in four feeds it (a stack and an add on the device)
 OVERHEAD_ALPHA = 0.1  # EWMA weight of a drafted step's measured overhead beyond the forward
 PROFILE_SCALE_ALPHA = 0.1  # EWMA weight of a served step's ms over the profile's at its token count
-THIN_PLAIN_EVERY = 8  # the thinplain ablation's rebuilds: one per this many plain samples of a bucket
 EXTRA_KEEP_PRIOR = (2.0, 2.0)  # (kept, sent): the router correction keeps extra tokens until measured otherwise
 EXTRA_KEEP_DECAY = 0.98  # per observed step: the keep rate follows the load
 # the router correction's extra token only from this batch-size bucket on: below, the batch's other tokens rarely
@@ -282,10 +281,6 @@ class LengthPolicy:
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
-        # hybridspec: its cost table rebuilt (and the next plan's costs primed) after every this many plain samples
-        # of a bucket (1: every sample; the thinplain ablation: THIN_PLAIN_EVERY), each sample still observed
-        self.plain_rebuild_every = 1
-        self._plain_since_rebuild: dict[int, int] = {}
         # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
         self.quiet_plain = True
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
@@ -321,10 +316,8 @@ class LengthPolicy:
         to verify <= 5, bench/NOTES.md 2026-12-04); nowidth: plans price the
         step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
-        path costs); thinplain: a plain step's sample rebuilds the bucket's cost table and primes the next plan's
-        costs only every THIN_PLAIN_EVERY-th time (the plan reads a table up to that many plain samples stale: is
-        the learning after every plain step what slows the host's next critical path? No: bench/NOTES.md
-        2026-12-06); noquiet: no quiet plain streaks (the runner asks the gate at every plain step)."""
+        path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step). (thinplain, the
+        learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06 02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
@@ -342,8 +335,6 @@ class LengthPolicy:
             self.draft_margin = 1
         if "plain" in parts:
             self.gate.force_plain = True
-        if "thinplain" in parts:
-            self.plain_rebuild_every = THIN_PLAIN_EVERY
         if "quiet" in parts:
             self.quiet_plain = False
 
@@ -824,11 +815,6 @@ class LengthPolicy:
                 if b not in tables:
                     tables[b] = TokenCostTable()
                 tables[b].observe(n, obs.forward_ms)
-                if not anchor and self.plain_rebuild_every > 1 and n == comp.num_requests:  # a plain sample
-                    seen = self._plain_since_rebuild.get(b, 0) + 1
-                    self._plain_since_rebuild[b] = seen % self.plain_rebuild_every
-                    if seen < self.plain_rebuild_every and b in self._cost_tables:
-                        return  # the table (and its primed costs) kept until the bucket's next rebuild
                 # rebuilt here, in the learning (on CUDA while the next forward is on the device), not by the next
                 # plan on the step's critical path: the table is a pure function of what changed just above, so
                 # the plan reads the same one (~0.05 ms of a c=1 hybridspec step's plan on this CPU, /tmp probe
