@@ -434,14 +434,15 @@ class ModelRunner:
         # announces it)
         # A quiet plain step (a streak's: its verdict, plain, untimed and no probe, known since the streak began,
         # _quiet) only counts it; a streak ends at any other step (another batch size, a prefill, a timed step)
-        quiet = self._quiet is not None and self._quiet[0] == len(requests) and decode_only and not spec and \
-            self._hinted_plain and not self._ends.sampling and self.drafter is not None and self.policy.gate is not None
+        hinted_plain = self.drafter is not None and decode_only and not spec and self._hinted_plain and \
+            self.policy.gate is not None
+        quiet = hinted_plain and self._quiet is not None and self._quiet[0] == len(requests) and \
+            not self._ends.sampling
         if not quiet:
             self._quiet = None
         if quiet:
             self.policy.gate.quiet_step(len(requests), start=True)
-        elif self.drafter is not None and decode_only and not spec and self._hinted_plain and \
-                self.policy.gate is not None:
+        elif hinted_plain:
             # plain: counted, its probe clock advances (one verdict: True is one the step misses, not counted)
             if self.policy.should_draft([r.context_len for r in requests], self._ends.sampling, only_plain=True):
                 self.policy.gate_hint_misses += 1

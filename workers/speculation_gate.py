@@ -186,10 +186,13 @@ class SpeculationGate:
                 return True, False, False  # an untimed step (thinned) does not explore: its sample would be lost
             self.plain_unexplored[b] = lead
             return lead, False, False
-        spec, plain = self.rate[(b, True)], self.rate[(b, False)]
-        spec_wins = spec >= plain * (1.0 + self.SPEC_MARGIN)
+        spec_wins = self._spec_wins(b)
         probe = sampled and self.asked.get(b, 0) + 1 >= self._spacing(b, spec_wins and ahead())
         return spec_wins != probe, True, probe
+
+    def _spec_wins(self, b: int) -> bool:
+        """Speculation leads measured bucket b (by SPEC_MARGIN: ties go to plain decoding)."""
+        return self.rate[(b, True)] >= self.rate[(b, False)] * (1.0 + self.SPEC_MARGIN)
 
     def quiet_streak(self, batch_size: int) -> int:
         """Right after would_draft answered plain for the next step of this batch size, untimed and no probe: how
@@ -205,7 +208,7 @@ class SpeculationGate:
         if self.force_plain or self.SAMPLE_EVERY <= 1 or b in self.inherited or \
                 own.get((b, True), 0) < least or own.get((b, False), 0) < least:
             return -1
-        if self.rate[(b, True)] >= self.rate[(b, False)] * (1.0 + self.SPEC_MARGIN):
+        if self._spec_wins(b):
             return -1
         ticks, every = self.ticks.get(b, 0), self.SAMPLE_EVERY
         return max(0, min(self._spacing(b, False) - self.asked.get(b, 0) - 2, every - ticks % every - 1))
