@@ -23,6 +23,15 @@ CUDA graph (every grid is sized from shapes only, with an upper bound on the wor
    the next layer's input norm follow (fused_moe_add_rmsnorm_triton), `_moe_reduce_rmsnorm_kernel` does the same
    sum, the add and the norm in one launch instead of this one and kernels/norm_triton.py's.
 
+Up to MOE_GEMV_MAX_N tokens (2; HYBRIDSPEC_MOE_GEMV_MAX_N) steps 1-3 are instead two per-assignment GEMVs with no
+grouping: `_moe_gemv_gate_up_kernel`, one program per (assignment, BLOCK_I intermediate columns) reading its gate and
+up rows in one tile on the CUDA cores, and `_moe_gemv_down_kernel`, one per (assignment, BLOCK_H output rows), which
+reads its routing and weights before its PDL wait in a captured step. At one token the grouped kernels run ~160
+programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB programs. A token has
+distinct experts, so no weight is read twice; at two tokens a shared expert is read twice (from L2 the second
+time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE layer's tail 35.3 ->
+28.2 us at one token, 48.3 -> 38.7 at two, a tie at four.
+
 The shared expert as one more expert (`shared=` of fused_moe_triton, route_triton(..., shared=True)): id E reads
 the shared expert's own tensors (a base pointer picked per block, `_expert_weights`; its own intermediate size
 I_s by masks), so a MoE layer at few tokens is router logits, route, gate/up, down, and the reduce with the
@@ -99,6 +108,20 @@ def _router_logits_kernel(
 
 
 ROUTER_GEMV_MAX_N = 4  # up to this many tokens the router logits take the CUDA-core kernel (tl.dot beyond)
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """An integer setting from the environment (read at import), with a named error outside [lo, hi]."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise ValueError(f"{name}={text!r}: must be an integer in [{lo}, {hi}]")
+    return value
 
 
 def _env_tiles(name: str, default: dict[int, tuple[int, int, int]]) -> dict[int, tuple[int, int, int]]:
@@ -608,6 +631,155 @@ def _moe_down_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 2'./3'. few tokens (MOE_GEMV_MAX_N): one GEMV per (assignment, slice), no grouping
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _assignment(topk_ids_ptr, mask_ptr, a, E, TOP_K: tl.constexpr, HAS_MASK: tl.constexpr, SHARED: tl.constexpr):
+    """(expert, token, kept) of assignment a: kept False for a masked token's routed slot (with SHARED its shared
+    slot, id E - 1, is kept)."""
+    expert = tl.load(topk_ids_ptr + a).to(tl.int64)
+    tok = (a // TOP_K).to(tl.int64)
+    keep = expert >= 0
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + tok) != 0
+        if SHARED:
+            keep = keep | (expert == E - 1)
+    return expert, tok, keep
+
+
+# NK varies every step, STATS (and the statistics' buffers) with the policy: one compile for all
+@triton.jit(do_not_specialize=["NK", "STATS", "distinct_ptr", "counts_ptr"])
+def _moe_gemv_gate_up_kernel(
+    x_ptr,  # [N, H]
+    w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (with SHARED: the E - 1 routed experts)
+    ws_ptr,  # [2I_S, H] the shared expert's gate and up rows (SHARED only)
+    h_ptr,  # [N*K, max(I, I_S)] out: silu(gate) * up per assignment (rows of masked assignments unwritten)
+    topk_ids_ptr,  # [N*K]
+    mask_ptr,  # [N] int8 (HAS_MASK only)
+    distinct_ptr,  # [] int64 out (STATS >= 1, by program (0, 0))
+    counts_ptr,  # [E_routed] int64 out (STATS == 2, by program (0, 0))
+    STATS,  # routing statistics: 0 none, 1 distinct, 2 and counts
+    NK,
+    E,  # expert ids 0..E-1 (the shared expert's included)
+    H,
+    I,
+    I_S,
+    stride_xn,
+    stride_we,
+    stride_wn,
+    stride_swn,
+    stride_hm,
+    TOP_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,  # intermediate columns a program: its BLOCK_I gate rows and BLOCK_I up rows
+    BLOCK_K: tl.constexpr,  # >= H: the rows in one tile, every load issued at once ("one-shot")
+    HAS_MASK: tl.constexpr,
+    E_P2: tl.constexpr,
+    NK_P2: tl.constexpr,
+    SHARED: tl.constexpr,  # expert id E - 1 is the shared expert (ws_ptr, I_S)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+):
+    """Program (a, j): assignment a's columns j*BLOCK_I.. of silu(x W_gate^T) * (x W_up^T), summed in fp32 on the
+    CUDA cores (no 16-row tl.dot padding for one token), rounded once to h's dtype as the grouped kernel's."""
+    pdl_prologue(PDL)
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if STATS > 0:
+        if (a == 0) & (pid_n == 0):  # the step's routing statistics: the grouping's histogram, computed here
+            offs = tl.arange(0, NK_P2)
+            kept = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK, SHARED)
+            bins = tl.arange(0, E_P2)
+            _store_stats(tl.where(bins < E, tl.histogram(kept, E_P2), 0), bins, E, distinct_ptr, counts_ptr, STATS,
+                         SHARED)
+    expert, tok, keep = _assignment(topk_ids_ptr, mask_ptr, a, E, TOP_K, HAS_MASK, SHARED)
+    if not keep:  # a masked token's routed slot: no work, its row of h is never read
+        return
+    w_base, wn, inter = _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stride_swn, SHARED)
+    if pid_n * BLOCK_I >= inter:  # I != I_S: slices past this expert's width
+        return
+    n = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
+    nmask = n < inter
+    k = tl.arange(0, BLOCK_K)
+    wg_ptrs = w_base + n[:, None].to(tl.int64) * wn + k[None, :]  # [BI, BK]
+    wu_ptrs = wg_ptrs + inter * wn
+    acc_g = tl.zeros([BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_I], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kmask = (k0 + k) < H
+        wmask = nmask[:, None] & kmask[None, :]
+        # (the expert weights are read once per step: evict_first keeps them from evicting activations from L2)
+        wg = tl.load(wg_ptrs + k0, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        wu = tl.load(wu_ptrs + k0, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        xv = tl.load(x_ptr + tok * stride_xn + k0 + k, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+    hval = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    tl.store(h_ptr + a.to(tl.int64) * stride_hm + n, hval.to(h_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit(do_not_specialize=["NK", "early"])  # (early: one compile for eager and captured calls)
+def _moe_gemv_down_kernel(
+    h_ptr,  # [N*K, max(I, I_S)] the gate/up GEMV's
+    w_ptr,  # [E, H, I] (with SHARED: the E - 1 routed experts)
+    ws_ptr,  # [H, I_S] the shared expert's down projection (SHARED only)
+    y_ptr,  # [N*K, H] out: the routing weight times the expert's output, per assignment
+    topk_w_ptr,  # [N*K] routing weights
+    topk_ids_ptr,  # [N*K]
+    mask_ptr,  # [N] int8 (HAS_MASK only)
+    NK,
+    E,
+    H,
+    I,
+    I_S,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_swn,
+    stride_ym,
+    early,  # 1: the routing and the first weight tile are read before the PDL prologue (see below), 0: after
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # output rows a program
+    BLOCK_K: tl.constexpr,  # >= max(I, I_S): one tile
+    HAS_MASK: tl.constexpr,
+    SHARED: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Program (a, r): rows r*BLOCK_H.. of y[a] = topk_weights[a] * W_down[e] h[a] (fp32 sums, one rounding).
+    With `early` (a captured step under PDL): the expert ids, the mask and the routing weights were written by the
+    route (and the router correction) two launches back or more, and the weights before the capture, so they are
+    read while the gate/up GEMV before this kernel finishes (kernels/pdl.py); h after the prologue."""
+    a = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    if early == 0:
+        pdl_prologue(PDL)
+    expert, tok, keep = _assignment(topk_ids_ptr, mask_ptr, a, E, TOP_K, HAS_MASK, SHARED)
+    if not keep:  # (its row of y is never read)
+        if early != 0:
+            pdl_prologue(PDL)
+        return
+    w_base, wn, inter = _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stride_swn, SHARED)
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < H
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_base + rows[:, None].to(tl.int64) * wn + k[None, :]  # [BH, BK]
+    rw = tl.load(topk_w_ptr + a).to(tl.float32)
+    kmask = k < inter
+    w = tl.load(w_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # [BH, BK]
+    if early != 0:
+        pdl_prologue(PDL)
+    hv = tl.load(h_ptr + a.to(tl.int64) * stride_hm + k, mask=kmask, other=0.0).to(tl.float32)
+    acc = tl.sum(w * hv[None, :], axis=1)  # [BH]
+    for k0 in range(BLOCK_K, inter, BLOCK_K):  # (widths beyond one tile: the bench model's fit in one)
+        kmask = (k0 + k) < inter
+        w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        hv = tl.load(h_ptr + a.to(tl.int64) * stride_hm + k0 + k, mask=kmask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * hv[None, :], axis=1)
+    acc = acc * rw
+    tl.store(y_ptr + a.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 4. sum over each token's k assignments (4b: the same sum with the residual add and the next RMSNorm)
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -813,6 +985,12 @@ MOE_CONFIGS = {
 # the gate/up kernel saved ~2.5 us up to N=4 and lost beyond N=16; the down kernel's own reduction (one launch
 # fewer) measured within noise at N=1, so it is off by default (it also needs counters shared per device).
 FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many assignments
+# Up to MOE_GEMV_MAX_N tokens the experts run as per-assignment GEMVs (`_moe_gemv_*`: no grouping, thousands of
+# small one-shot programs; the grouped kernels' ~160 programs of 256 KB at one token leave part of the SMs a
+# second wave). HYBRIDSPEC_MOE_GEMV_MAX_N (read at import; 0: the grouped kernels at every size) for A/B; config
+# "gemv" forces either path. MOE_GEMV_TILES: (gate/up columns a program, its warps, down rows a program, warps).
+MOE_GEMV_MAX_N = _env_int("HYBRIDSPEC_MOE_GEMV_MAX_N", 2, 0, 64)
+MOE_GEMV_TILES = (2, 8, 8, 4)
 FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments
 
 _counters: dict = {}
@@ -904,6 +1082,15 @@ def fused_moe_triton(
     ids = topk_ids.reshape(-1).contiguous()  # [NK]
     rw = topk_weights.reshape(-1).contiguous()  # [NK]
     nk = ids.numel()
+    if cfg.get("gemv", num_tokens <= MOE_GEMV_MAX_N):
+        if cfg.get("fuse_reduce"):
+            raise ValueError("fused_moe_triton: config gemv=True (per-assignment GEMVs, summed by the reduce kernel) "
+                             "and fuse_reduce=True (the grouped down kernel's own sum) exclude each other")
+        y, mask = _moe_gemv(x, w_gate_up, w_down, ws_gu, ws_dn, ids, rw, token_mask, stats, num_experts, ids_total,
+                            top_k, inter, inter_s, shared is not None, cfg.get("gemv_tiles", MOE_GEMV_TILES))
+        if not reduce:
+            return MoeRows(y, mask, ids, ids_total, token_mask is not None, shared is not None)
+        return _reduce(y, mask, ids, ids_total, num_tokens, top_k, token_mask is not None, shared is not None)
     block_m = cfg.get("block_m") or moe_block_m(num_tokens, max(routed_k, 1), num_experts)
     tiles = {**MOE_CONFIGS[block_m if block_m in MOE_CONFIGS else 64], **cfg}
     fuse_align = cfg.get("fuse_align", num_tokens * routed_k <= FUSE_ALIGN_MAX_NK)
@@ -939,7 +1126,8 @@ def fused_moe_triton(
         SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_args(x.device))
 
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev) if reduce else y  # [N, H] (y: never written)
+    # [N, H] the down kernel's own sum (y: a dummy, never written)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev) if fuse_reduce else y
     bn, bk, warps, stages = tiles["down"]
     bk = min(bk, max(16, triton.next_power_of_2(inter_max)))
     grid_n = triton.cdiv(hidden, bn)
@@ -954,11 +1142,48 @@ def fused_moe_triton(
     if not reduce:
         return MoeRows(y, mask, ids, ids_total, has_mask, shared is not None)
     if not fuse_reduce:
-        block_h = min(1024, triton.next_power_of_2(hidden))
-        _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-            y, mask, out, ids, ids_total, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h,
-            SHARED=shared is not None, num_warps=4, **pdl_args(y.device))
+        return _reduce(y, mask, ids, ids_total, num_tokens, top_k, has_mask, shared is not None)
     return out
+
+
+def _reduce(y: Tensor, mask: Tensor, ids: Tensor, ids_total: int, num_tokens: int, top_k: int, has_mask: bool,
+            shared: bool) -> Tensor:
+    """`_moe_reduce_kernel`: [N, H] sums of each token's rows of y [N*k, H]."""
+    hidden = y.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, mask, out, ids, ids_total, hidden, TOP_K=top_k, HAS_MASK=has_mask, BLOCK_H=block_h, SHARED=shared,
+        num_warps=4, **pdl_args(y.device))
+    return out
+
+
+def _moe_gemv(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ws_gu: Tensor, ws_dn: Tensor, ids: Tensor, rw: Tensor,
+              token_mask: Tensor | None, stats, num_experts: int, ids_total: int, top_k: int, inter: int,
+              inter_s: int, shared: bool, tiles: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
+    """fused_moe_triton's experts as per-assignment GEMVs (two launches, no grouping): (y [N*k, H], one weighted
+    row per kept assignment; the int8 mask the reduce reads). The routing statistics from program (0, 0)."""
+    nk, hidden = ids.numel(), x.shape[1]
+    dev = x.device
+    has_mask = token_mask is not None
+    mask = _mask_i8(token_mask) if has_mask else ids  # (a dummy without a mask)
+    stats_distinct, stats_counts, stats_flag = _stats_args(stats, num_experts, dev)
+    inter_max = max(inter, inter_s)
+    block_i, warps_i, block_h, warps_h = tiles
+    h = torch.empty(nk, inter_max, dtype=x.dtype, device=dev)  # [N*k, max(I, I_s)]
+    _moe_gemv_gate_up_kernel[(nk, triton.cdiv(inter_max, block_i))](
+        x, w_gate_up, ws_gu, h, ids, mask, stats_distinct, stats_counts, stats_flag, nk, ids_total, hidden, inter,
+        inter_s, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws_gu.stride(0), h.stride(0),
+        TOP_K=top_k, BLOCK_I=block_i, BLOCK_K=min(triton.next_power_of_2(hidden), 4096), HAS_MASK=has_mask,
+        E_P2=triton.next_power_of_2(ids_total + 1), NK_P2=triton.next_power_of_2(max(nk, 16)), SHARED=shared,
+        num_warps=warps_i, **pdl_args(dev))
+    y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
+    _moe_gemv_down_kernel[(nk, triton.cdiv(hidden, block_h))](
+        h, w_down, ws_dn, y, rw, ids, mask, nk, ids_total, hidden, inter, inter_s, h.stride(0), w_down.stride(0),
+        w_down.stride(1), ws_dn.stride(0), y.stride(0), int(early_reads(dev)), TOP_K=top_k, BLOCK_H=block_h,
+        BLOCK_K=min(triton.next_power_of_2(inter_max), 2048), HAS_MASK=has_mask, SHARED=shared, num_warps=warps_h,
+        **pdl_args(dev))
+    return y, mask
 
 
 def fused_moe_add_rmsnorm_triton(

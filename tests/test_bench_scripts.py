@@ -4,7 +4,8 @@ time per part), bench/verify_overhead.py (hybridspec's verification graphs vs bu
 MoE's tile candidates, each checked against the reference), bench/host_phases.py (host time by part without a
 profiler), bench/router_logits.py (the router's two logits kernels) and bench/small_kernels.py (the route, MoE tail and
 norm kernels' warps), bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute),
-bench/gdn_verify2.py (every GDN verification variant's check against the reference); bench/e2e_merge.py (its
+bench/gdn_verify2.py (every GDN verification variant's check against the reference), bench/moe_gemv.py (the MoE's
+GEMV tiles against the grouped path), bench/step_ab.py (a setting's A/B on the graphed step); bench/e2e_merge.py (its
 merges, on synthetic results)."""
 
 from __future__ import annotations
@@ -285,6 +286,31 @@ def test_moe_tiles_tiny_checks_every_candidate_against_the_reference(tmp_path):
                    check=True, cwd=ROOT, capture_output=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     errors = json.loads((tmp_path / "moe_tiles.json").read_text())["tiny_errors"]
     assert len(errors) == 2 * len(candidates()) and max(errors.values()) < 1e-4
+
+
+def test_moe_gemv_tiny_checks_every_variant_against_both_paths(tmp_path):
+    """Every GEMV tile variant bench/moe_gemv.py times on the GPU equals the grouped path and the reference."""
+    from bench.moe_gemv import VARIANTS
+
+    run_script("moe_gemv.py", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "moe_gemv.json").read_text())["rows"]
+    assert {(r["N"], r["variant"]) for r in rows} == {(n, v) for n in (1, 2) for v in ("grouped", *VARIANTS)}
+    assert all(r["max_abs_diff_vs_grouped"] < 1e-5 and r["max_abs_diff_vs_ref"] < 1e-5 for r in rows)
+
+
+def test_step_ab_tiny_alternates_the_setting_and_restores_it(tmp_path):
+    import kernels.moe_triton as MT
+
+    run_script("step_ab.py", "--set", "kernels.moe_triton.MOE_GEMV_MAX_N=0,1", "--new", "6", "--rounds", "2",
+               "--out", str(tmp_path))
+    report = json.loads((tmp_path / "step_ab.json").read_text())
+    assert [r["MOE_GEMV_MAX_N"] for r in report["rows"]] == [0, 1, 1, 0]
+    assert all(r["greedy_match_vs_first"] == 1.0 and r["step_ms_median"] > 0 for r in report["rows"])
+    assert set(report["median_step_ms"]) == {"0", "1"} and MT.MOE_GEMV_MAX_N >= 0
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "step_ab.py"), "--tiny", "--set",
+                          "kernels.moe_triton.NO_SUCH=0,1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "has no NO_SUCH" in bad.stderr
 
 
 def _e2e_part(conc, rates, commit="abc", wall=1.0):

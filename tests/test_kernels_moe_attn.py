@@ -40,6 +40,10 @@ CASES = [
     "moe_stats_all_masked", "moe_stats_shared_all_masked", "moe_stats_shared_all_masked_align",
     "moe_stats_distinct_only", "moe_stats_distinct_only_align", "moe_stats_default_routing",
     "moe_stats_no_tokens", "moe_stats_block32", "moe_stats_bad_buffers",
+    "moe_gemv_one_token", "moe_gemv_two_tokens_mask", "moe_gemv_forced_mask", "moe_gemv_tiles_past_the_widths",
+    "moe_gemv_all_masked", "moe_gemv_shared_one_token", "moe_gemv_shared_masked_token", "moe_gemv_shared_wider",
+    "moe_gemv_shared_narrower", "moe_gemv_stats", "moe_gemv_stats_distinct_only", "moe_gemv_routing",
+    "moe_gemv_fuse_reduce_refused",
     "write_kv",
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
@@ -63,6 +67,18 @@ def test_kernel_matches_reference(interp_results, case):
     got = interp_results[case]
     assert not isinstance(got, str), got
     assert got <= TOL, f"{case}: relative error {got}"
+
+
+def test_moe_gemv_threshold_from_the_environment_is_validated():
+    """HYBRIDSPEC_MOE_GEMV_MAX_N (read at import): an integer in [0, 64], else a named error."""
+    code = "import kernels.moe_triton as MT; print(MT.MOE_GEMV_MAX_N)"
+    for value, ok in (("0", True), ("4", True), ("-1", False), ("65", False), ("two", False)):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), HYBRIDSPEC_MOE_GEMV_MAX_N=value))
+        if ok:
+            assert proc.returncode == 0 and proc.stdout.split()[-1] == value, proc.stderr[-2000:]
+        else:
+            assert proc.returncode != 0 and "HYBRIDSPEC_MOE_GEMV_MAX_N" in proc.stderr and "[0, 64]" in proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,7 +266,7 @@ def _checks() -> dict:
 
     checks["moe_plain"] = lambda: moe_case(13)
     checks["moe_mask"] = lambda: moe_case(13, mask13)
-    checks["moe_one_token"] = lambda: moe_case(1)
+    checks["moe_one_token"] = lambda: moe_case(1, config={"gemv": False})  # the grouped kernels at one token
     checks["moe_block32"] = lambda: moe_case(13, mask13, config={"block_m": 32, "gate_up": (16, 16, 4, 2),
                                                                   "down": (16, 16, 4, 2)})
     checks["moe_all_masked"] = lambda: (lambda o: float(o.abs().max()))(
@@ -324,7 +340,7 @@ def _checks() -> dict:
 
     checks["moe_shared_plain"] = lambda: moe_shared_case(13)
     checks["moe_shared_mask"] = lambda: moe_shared_case(13, mask13)
-    checks["moe_shared_one_token"] = lambda: moe_shared_case(1)
+    checks["moe_shared_one_token"] = lambda: moe_shared_case(1, config={"gemv": False})
     checks["moe_shared_wider"] = lambda: moe_shared_case(13, mask13, inter_s=48)  # I_s = 3 I: 2 column tiles
     checks["moe_shared_narrower"] = lambda: moe_shared_case(13, mask13, inter_s=8)  # I_s < BLOCK_K
     # 40 tokens: the hot expert and the shared one 3 blocks of 16 each
@@ -440,6 +456,67 @@ def _checks() -> dict:
         return 0.0
 
     checks["moe_stats_bad_buffers"] = stats_bad_buffers_case
+
+    # ---- per-assignment GEMVs (up to MOE_GEMV_MAX_N tokens by default; config "gemv" forces either path)
+    gemv = {"gemv": True}
+    mask2 = torch.tensor([True, False])
+    checks["moe_gemv_one_token"] = lambda: moe_case(1)
+    checks["moe_gemv_two_tokens_mask"] = lambda: moe_case(2, mask2)
+    checks["moe_gemv_forced_mask"] = lambda: moe_case(13, mask13, config={"gemv": True, "gemv_tiles": (4, 4, 8, 4)})
+    # a program's slice wider than I (16) and H (32): masks cover the tails
+    checks["moe_gemv_tiles_past_the_widths"] = lambda: moe_case(5, None, config={"gemv": True,
+                                                                                 "gemv_tiles": (32, 4, 64, 4)})
+    checks["moe_gemv_all_masked"] = lambda: (lambda o: float(o.abs().max()))(
+        fused_moe_triton(torch.randn(2, H), w_gu, w_dn, *route_ref(torch.randn(2, E), K, True),
+                         torch.zeros(2, dtype=torch.bool)))
+    checks["moe_gemv_shared_one_token"] = lambda: moe_shared_case(1)
+    checks["moe_gemv_shared_masked_token"] = lambda: moe_shared_case(1, torch.tensor([False]))  # its shared slot
+    checks["moe_gemv_shared_wider"] = lambda: moe_shared_case(13, mask13, config=gemv, inter_s=48)
+    checks["moe_gemv_shared_narrower"] = lambda: moe_shared_case(2, mask2, inter_s=8)
+    checks["moe_gemv_stats"] = lambda: max(moe_stats_case(1, None, None, shared=True),
+                                           moe_stats_case(13, mask13, gemv, shared=True),
+                                           moe_stats_case(13, mask13, gemv, hot=3))
+    checks["moe_gemv_stats_distinct_only"] = lambda: moe_stats_case(2, mask2, None, shared=True, counts=False)
+
+    def gemv_routing_case():  # which path each call takes: GEMVs up to MOE_GEMV_MAX_N tokens, or as configured
+        import kernels.moe_triton as MT
+
+        launched = []
+
+        class Spy:
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    launched.append(self.name)
+                    return self.kernel[grid](*args, **kw)
+
+                return launch
+
+        real = MT._moe_gemv_gate_up_kernel, MT._moe_gate_up_kernel
+        MT._moe_gemv_gate_up_kernel, MT._moe_gate_up_kernel = Spy("gemv", real[0]), Spy("grouped", real[1])
+        try:
+            calls = [(n, None) for n in range(1, MT.MOE_GEMV_MAX_N + 2)] + [(1, {"gemv": False}), (5, gemv)]
+            for n, config in calls:
+                fused_moe_triton(torch.randn(n, H), w_gu, w_dn, *route_ref(torch.randn(n, E), K, True),
+                                 config=config)
+        finally:
+            MT._moe_gemv_gate_up_kernel, MT._moe_gate_up_kernel = real
+        want = ["gemv"] * MT.MOE_GEMV_MAX_N + ["grouped", "grouped", "gemv"]
+        return 0.0 if launched == want and MT.MOE_GEMV_MAX_N >= 1 else f"{launched} != {want}"
+
+    checks["moe_gemv_routing"] = gemv_routing_case
+
+    def gemv_fuse_reduce_case():  # the GEMVs leave the sum to the reduce kernel: asking for both is an error
+        try:
+            fused_moe_triton(torch.randn(1, H), w_gu, w_dn, *route_ref(torch.randn(1, E), K, True),
+                             config={"gemv": True, "fuse_reduce": True})
+        except ValueError as e:
+            return 0.0 if "gemv" in str(e) and "fuse_reduce" in str(e) else str(e)
+        return "no error"
+
+    checks["moe_gemv_fuse_reduce_refused"] = gemv_fuse_reduce_case
 
     # ---- paged KV: B=3, q lens {1, 5, 17}, context lens {0, 7, 30}, page size 4, shuffled pages, GQA 2
     HQ, HKV, D, PS = 4, 2, 32, 4
