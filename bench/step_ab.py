@@ -5,7 +5,7 @@ each value of the setting (alternating, `--rounds` times) a fresh runner with CU
 time is what its captures hold) serves `--batch` requests for `--new` tokens: the median step ms, the floor, and the
 greedy tokens against the first value's (bf16: the kernels' summation orders may break ties differently). The step
 moves by up to 6% between repeats in one call: read the rounds, not one run. Writes `step_ab.json`. `--tiny` runs
-the plumbing on CPU (eager).
+the plumbing on CPU (eager, the PyTorch references: a kernel setting changes nothing there).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
     summary = {v: statistics.median([r["step_ms_median"] for r in rows if r[attr] == v]) for v in values}
     report = {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "layers": cfg.num_hidden_layers, "batch": args.batch, "setting": args.set, "rows": rows,
-              "median_step_ms": summary}
+              "median_step_ms": summary, "restored": getattr(module, attr) == original}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_ab.json").write_text(json.dumps(report, indent=1))

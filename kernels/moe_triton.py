@@ -639,7 +639,7 @@ def _assignment(topk_ids_ptr, mask_ptr, a, E, TOP_K: tl.constexpr, HAS_MASK: tl.
     slot, id E - 1, is kept)."""
     expert = tl.load(topk_ids_ptr + a).to(tl.int64)
     tok = (a // TOP_K).to(tl.int64)
-    keep = expert >= 0
+    keep = a >= 0  # (every assignment, without a mask)
     if HAS_MASK:
         keep = tl.load(mask_ptr + tok) != 0
         if SHARED:
@@ -988,9 +988,10 @@ FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many ass
 # Up to MOE_GEMV_MAX_N tokens the experts run as per-assignment GEMVs (`_moe_gemv_*`: no grouping, thousands of
 # small one-shot programs; the grouped kernels' ~160 programs of 256 KB at one token leave part of the SMs a
 # second wave). HYBRIDSPEC_MOE_GEMV_MAX_N (read at import; 0: the grouped kernels at every size) for A/B; config
-# "gemv" forces either path. MOE_GEMV_TILES: (gate/up columns a program, its warps, down rows a program, warps).
+# "gemv" forces either path, and a config with any of GROUPED_CONFIG_KEYS (and no "gemv") runs the grouped kernels. MOE_GEMV_TILES: (gate/up columns a program, its warps, down rows a program, warps).
 MOE_GEMV_MAX_N = _env_int("HYBRIDSPEC_MOE_GEMV_MAX_N", 2, 0, 64)
 MOE_GEMV_TILES = (2, 8, 8, 4)
+GROUPED_CONFIG_KEYS = frozenset(("block_m", "gate_up", "down", "fuse_align", "fuse_reduce"))
 FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments
 
 _counters: dict = {}
@@ -1025,7 +1026,8 @@ def fused_moe_triton(
     topk_weights: Tensor,  # [N, k]
     topk_ids: Tensor,  # [N, k] int64
     token_mask: Tensor | None = None,  # [N] bool; False rows get no routed expert work (only the shared slot)
-    config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce"}
+    config: dict | None = None,  # {"block_m", "gate_up": (BN, BK, warps, stages), "down", "fuse_align", "fuse_reduce",
+    #                               "gemv": bool, "gemv_tiles": (BI, warps, BH, warps)}
     shared: tuple[Tensor, Tensor] | None = None,  # (w_gate_up_s [2I_s, H], w_down_s [H, I_s]): expert id E
     stats: tuple[Tensor, Tensor | None] | None = None,  # out: (distinct [] int64, counts [E] int64 or None)
     reduce: bool = True,  # False: no reduce launch; returns MoeRows (the caller's kernel sums each token's rows)
@@ -1082,7 +1084,8 @@ def fused_moe_triton(
     ids = topk_ids.reshape(-1).contiguous()  # [NK]
     rw = topk_weights.reshape(-1).contiguous()  # [NK]
     nk = ids.numel()
-    if cfg.get("gemv", num_tokens <= MOE_GEMV_MAX_N):
+    # a config that sets the grouped kernels' tiles or launch structure runs them (benches time those at any N)
+    if cfg.get("gemv", num_tokens <= MOE_GEMV_MAX_N and not GROUPED_CONFIG_KEYS & cfg.keys()):
         if cfg.get("fuse_reduce"):
             raise ValueError("fused_moe_triton: config gemv=True (per-assignment GEMVs, summed by the reduce kernel) "
                              "and fuse_reduce=True (the grouped down kernel's own sum) exclude each other")

@@ -43,7 +43,7 @@ CASES = [
     "moe_gemv_one_token", "moe_gemv_two_tokens_mask", "moe_gemv_forced_mask", "moe_gemv_tiles_past_the_widths",
     "moe_gemv_all_masked", "moe_gemv_shared_one_token", "moe_gemv_shared_masked_token", "moe_gemv_shared_wider",
     "moe_gemv_shared_narrower", "moe_gemv_stats", "moe_gemv_stats_distinct_only", "moe_gemv_routing",
-    "moe_gemv_fuse_reduce_refused",
+    "moe_gemv_fuse_reduce_refused", "moe_gemv_early_reads",
     "write_kv",
     "attn_default", "attn_splits", "attn_small_tiles", "attn_prefill", "attn_no_hints", "attn_bm128",
     "attn_fresh_prefill_sdpa", "attn_fresh_prefill_triton",
@@ -497,13 +497,16 @@ def _checks() -> dict:
         real = MT._moe_gemv_gate_up_kernel, MT._moe_gate_up_kernel
         MT._moe_gemv_gate_up_kernel, MT._moe_gate_up_kernel = Spy("gemv", real[0]), Spy("grouped", real[1])
         try:
-            calls = [(n, None) for n in range(1, MT.MOE_GEMV_MAX_N + 2)] + [(1, {"gemv": False}), (5, gemv)]
+            calls = [(n, None) for n in range(1, MT.MOE_GEMV_MAX_N + 2)] + [(1, {"gemv": False}), (5, gemv),
+                                                                             (1, {"fuse_reduce": True}),
+                                                                             (1, {"down": (16, 16, 4, 2)})]
             for n, config in calls:
                 fused_moe_triton(torch.randn(n, H), w_gu, w_dn, *route_ref(torch.randn(n, E), K, True),
                                  config=config)
         finally:
             MT._moe_gemv_gate_up_kernel, MT._moe_gate_up_kernel = real
-        want = ["gemv"] * MT.MOE_GEMV_MAX_N + ["grouped", "grouped", "gemv"]
+        # (a config of the grouped kernels' own keys runs them at any size)
+        want = ["gemv"] * MT.MOE_GEMV_MAX_N + ["grouped", "grouped", "gemv", "grouped", "grouped"]
         return 0.0 if launched == want and MT.MOE_GEMV_MAX_N >= 1 else f"{launched} != {want}"
 
     checks["moe_gemv_routing"] = gemv_routing_case
@@ -517,6 +520,20 @@ def _checks() -> dict:
         return "no error"
 
     checks["moe_gemv_fuse_reduce_refused"] = gemv_fuse_reduce_case
+
+    def gemv_early_case():  # a captured step's order (kernels/pdl.py early_reads): the down GEMV reads its routing
+        # and first weight tile before its prologue, a masked assignment's program passes its prologue and returns
+        import kernels.moe_triton as MT
+
+        real = MT.early_reads
+        MT.early_reads = lambda device: True
+        try:
+            return max(moe_case(1), moe_case(2, mask2), moe_shared_case(2, mask2),
+                       moe_shared_case(1, torch.tensor([False]), inter_s=48))
+        finally:
+            MT.early_reads = real
+
+    checks["moe_gemv_early_reads"] = gemv_early_case
 
     # ---- paged KV: B=3, q lens {1, 5, 17}, context lens {0, 7, 30}, page size 4, shuffled pages, GQA 2
     HQ, HKV, D, PS = 4, 2, 32, 4
