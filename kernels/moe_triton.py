@@ -988,7 +988,8 @@ FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many ass
 # Up to MOE_GEMV_MAX_N tokens the experts run as per-assignment GEMVs (`_moe_gemv_*`: no grouping, thousands of
 # small one-shot programs; the grouped kernels' ~160 programs of 256 KB at one token leave part of the SMs a
 # second wave). HYBRIDSPEC_MOE_GEMV_MAX_N (read at import; 0: the grouped kernels at every size) for A/B; config
-# "gemv" forces either path, and a config with any of GROUPED_CONFIG_KEYS (and no "gemv") runs the grouped kernels. MOE_GEMV_TILES: (gate/up columns a program, its warps, down rows a program, warps).
+# "gemv" forces either path, and a config with any of GROUPED_CONFIG_KEYS (and no "gemv") runs the grouped kernels.
+# MOE_GEMV_TILES: (gate/up columns a program, its warps, down rows a program, its warps).
 MOE_GEMV_MAX_N = _env_int("HYBRIDSPEC_MOE_GEMV_MAX_N", 2, 0, 64)
 MOE_GEMV_TILES = (2, 8, 8, 4)
 GROUPED_CONFIG_KEYS = frozenset(("block_m", "gate_up", "down", "fuse_align", "fuse_reduce"))
