@@ -716,7 +716,7 @@ def _moe_gemv_gate_up_kernel(
     tl.store(h_ptr + a.to(tl.int64) * stride_hm + n, hval.to(h_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.jit(do_not_specialize=["NK", "early"])  # (early: one compile for eager and captured calls)
+@triton.jit(do_not_specialize=["early"])  # (early: one compile for eager and captured calls)
 def _moe_gemv_down_kernel(
     h_ptr,  # [N*K, max(I, I_S)] the gate/up GEMV's
     w_ptr,  # [E, H, I] (with SHARED: the E - 1 routed experts)
@@ -725,7 +725,6 @@ def _moe_gemv_down_kernel(
     topk_w_ptr,  # [N*K] routing weights
     topk_ids_ptr,  # [N*K]
     mask_ptr,  # [N] int8 (HAS_MASK only)
-    NK,
     E,
     H,
     I,
@@ -1183,7 +1182,7 @@ def _moe_gemv(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ws_gu: Tensor, ws_dn
         num_warps=warps_i, **pdl_args(dev))
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment
     _moe_gemv_down_kernel[(nk, triton.cdiv(hidden, block_h))](
-        h, w_down, ws_dn, y, rw, ids, mask, nk, ids_total, hidden, inter, inter_s, h.stride(0), w_down.stride(0),
+        h, w_down, ws_dn, y, rw, ids, mask, ids_total, hidden, inter, inter_s, h.stride(0), w_down.stride(0),
         w_down.stride(1), ws_dn.stride(0), y.stride(0), int(early_reads(dev)), TOP_K=top_k, BLOCK_H=block_h,
         BLOCK_K=min(triton.next_power_of_2(inter_max), 2048), HAS_MASK=has_mask, SHARED=shared, num_warps=warps_h,
         **pdl_args(dev))
