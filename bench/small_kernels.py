@@ -157,7 +157,8 @@ def main() -> None:
                 print(f"{kernel:9s} {n:>3} " + " ".join(f"{us[w]:7.2f}" for w in warps) + f"   (warps {warps})")
         for n in sorted({r["N"] for r in rows if r["kernel"] == "norm_route"}):
             us = {r["warps"]: r["us"] for r in rows if r["kernel"] == "norm_route" and r["N"] == n}
-            print(f"norm_route {n:>3} apart {us['apart']:7.2f}  fused {us['fused']:7.2f}  (add_rmsnorm + router + route)")
+            print(f"norm_route {n:>3} apart {us['apart']:7.2f}  fused {us['fused']:7.2f}  (add_rmsnorm, router, "
+                  "route)")
     if bad:
         raise SystemExit(f"variants differ from the default: {bad}")
 

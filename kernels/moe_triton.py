@@ -39,10 +39,10 @@ residual + norm (one kernel where a norm follows, fused_moe_add_rmsnorm_triton),
 its own. A masked token keeps its shared slot (grouped, and added by the reduce): every row gets what the shared
 expert computed apart gives it, and the shared weights are read for the batch anyway.
 
-Up to ROUTE_FUSE_MAX_N tokens (4; HYBRIDSPEC_ROUTE_FUSE_MAX_N) the decoder layer's post-attention residual add +
-RMSNorm, the router logits and the routing are one launch (`_add_rmsnorm_route_kernel`, add_rmsnorm_route_triton):
-every program normalizes the few rows itself from L2 and computes its slice of router rows' fp32 logits; the last
-program to arrive (an acq_rel counter) routes every row. Two launches fewer a MoE layer of a decode step.
+Up to ROUTE_FUSE_MAX_N tokens (HYBRIDSPEC_ROUTE_FUSE_MAX_N=1..4; default 0, off: not measured on a GPU yet) the
+decoder layer's post-attention residual add + RMSNorm, the router logits and the routing are one launch
+(`_add_rmsnorm_route_kernel`, add_rmsnorm_route_triton): every program normalizes the few rows itself from L2 and
+computes its slice of router rows' fp32 logits; the last program to arrive (an acq_rel counter) routes every row. Two launches fewer a MoE layer of a decode step.
 
 Every touched expert's weights are read once per n-tile; the blocks of one expert sit next to each other in
 the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles from L2, not HBM.
@@ -379,9 +379,10 @@ def _add_rmsnorm_route_kernel(
         tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
-# tokens up to which add_rmsnorm_route_triton is one launch (HYBRIDSPEC_ROUTE_FUSE_MAX_N, read at import; 0: the
-# three kernels, for A/B runs); rows up to ROUTE_FUSE_MAX_H wide (each program holds whole rows in registers)
-ROUTE_FUSE_MAX_N = _env_int("HYBRIDSPEC_ROUTE_FUSE_MAX_N", 4, 0, ROUTER_GEMV_MAX_N)
+# tokens up to which add_rmsnorm_route_triton is one launch (HYBRIDSPEC_ROUTE_FUSE_MAX_N, read at import, 0 .. 4; 0:
+# the three kernels). Default 0 until a GPU measures it (bench/NOTES.md 2026-12-06 18:26: no device came); rows up to
+# ROUTE_FUSE_MAX_H wide (each program holds whole rows in registers)
+ROUTE_FUSE_MAX_N = _env_int("HYBRIDSPEC_ROUTE_FUSE_MAX_N", 0, 0, ROUTER_GEMV_MAX_N)
 ROUTE_FUSE_MAX_H = 4096
 _route_counters: dict[torch.device, Tensor] = {}
 

@@ -297,6 +297,8 @@ def test_layer_half_after_the_mixer_on_the_reference_path_is_add_rmsnorm_then_th
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
+    import kernels.moe_triton as MT
+    MT.ROUTE_FUSE_MAX_N = 4  # the after-mixer cases check the one-launch path, whatever the default
     cases = {name: (lambda args=args: _interp_layer(*args)) for name, args in INTERP_CASES.items()}
     cases.update({name: (lambda args=args: _interp_after_mixer(*args)) for name, args in AFTER_MIXER_CASES.items()})
     run_cases(cases)
