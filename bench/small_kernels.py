@@ -9,11 +9,8 @@ hidden 2048) this times, in CUDA graphs of 40 calls on 40 different inputs (with
   program a token) with REDUCE_NORM_WARPS 1 .. 16 at N = 1, 4, 16: the GEMMs are the same in every variant, so the
   differences are the reduce + norm kernel's;
 - kernels.norm_triton's kernels (NORM_WARPS 1 .. 16): the residual add + RMSNorm over the hidden size at N = 1, 4,
-  16, and the per-head RMSNorm of attention's q / k (18 rows of 256 a token) at N = 1, 16;
-- kernels.moe_triton.add_rmsnorm_route_triton (a layer's residual add + post-attention norm, router logits and
-  routing) as one launch ("fused", ROUTE_FUSE_MAX_N) vs its three kernels ("apart") at N = 1, 2, 4.
-Each variant is checked against the default's output (route: equal ids and weights; the tail: equal bits; norm_route:
-equal sums and ids, the norm and the weights within a bf16 ulp). Writes
+  16, and the per-head RMSNorm of attention's q / k (18 rows of 256 a token) at N = 1, 16.
+Each variant is checked against the default's output (route: equal ids and weights; the tail: equal bits). Writes
 `small_kernels.json` and prints the table. `--tiny` runs the checks on CPU under TRITON_INTERPRET=1 (fp32, tiny
 shapes) and times nothing.
 """
@@ -121,30 +118,6 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         NT.NORM_WARPS = None
 
-    # the post-attention residual add + norm, the router logits and the routing: one launch (ROUTE_FUSE_MAX_N) vs
-    # the three kernels apart, on 40 different layers' inputs and router weights (with the Zipf logit bias)
-    nw = rnd(H, scale=0.3)
-    routers = [rnd(E + 1, H, scale=H ** -0.5) for _ in range(calls)]
-    bias = torch.randn(E, device=dev, generator=gen)
-    fuse_default = MT.ROUTE_FUSE_MAX_N
-    for n in ((1, 3) if args.tiny else (1, 2, 4)):
-        xs = [(rnd(n, H), rnd(n, H)) for _ in range(calls)]
-
-        def norm_route(i):
-            return MT.add_rmsnorm_route_triton(*xs[i], nw, 1e-6, routers[i], K, True, dt, bias, shared=True)
-        MT.ROUTE_FUSE_MAX_N = 0
-        ref = norm_route(0)
-        for variant, limit in (("apart", 0), ("fused", 4)):
-            MT.ROUTE_FUSE_MAX_N = limit
-            got = norm_route(0)
-            same = bool(torch.equal(got[0], ref[0]) and torch.equal(got[3], ref[3])
-                        and torch.allclose(got[1].float(), ref[1].float(), rtol=2 ** -7, atol=0)
-                        and torch.allclose(got[2].float(), ref[2].float(), rtol=2 ** -7, atol=2 ** -12))
-            us = timed([lambda i=i: norm_route(i) for i in range(calls)])
-            rows.append({"kernel": "norm_route", "N": n, "warps": variant, "us": us, "equal": same})
-            print(json.dumps(rows[-1]), flush=True)
-    MT.ROUTE_FUSE_MAX_N = fuse_default
-
     bad = [r for r in rows if not r["equal"]]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "small_kernels.json").write_text(json.dumps({"rows": rows, "bad": bad}, indent=1))
@@ -155,10 +128,6 @@ def main() -> None:
             for n in sorted({r["N"] for r in rows if r["kernel"] == kernel}):
                 us = {r["warps"]: r["us"] for r in rows if r["kernel"] == kernel and r["N"] == n}
                 print(f"{kernel:9s} {n:>3} " + " ".join(f"{us[w]:7.2f}" for w in warps) + f"   (warps {warps})")
-        for n in sorted({r["N"] for r in rows if r["kernel"] == "norm_route"}):
-            us = {r["warps"]: r["us"] for r in rows if r["kernel"] == "norm_route" and r["N"] == n}
-            print(f"norm_route {n:>3} apart {us['apart']:7.2f}  fused {us['fused']:7.2f}  (add_rmsnorm, router, "
-                  "route)")
     if bad:
         raise SystemExit(f"variants differ from the default: {bad}")
 

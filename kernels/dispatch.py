@@ -100,18 +100,6 @@ def route(router_logits, top_k, renormalize, out_dtype=None, bias=None, shared=F
     return route_ref(router_logits, top_k, renormalize, out_dtype, bias, shared)
 
 
-def add_rmsnorm_route(x, h, norm_weight, eps, router_weight, top_k, renormalize, out_dtype=None, bias=None,
-                      shared=False):
-    """A decoder layer's residual add and post-attention norm, then its MoE's routing: (s, rmsnorm(s), weights,
-    ids) (kernels.moe.add_rmsnorm_route_ref; on the Triton path one launch at few tokens)."""
-    if use_triton(x):
-        from kernels.moe_triton import add_rmsnorm_route_triton
-        return add_rmsnorm_route_triton(x, h, norm_weight, eps, router_weight, top_k, renormalize, out_dtype, bias,
-                                        shared)
-    from kernels.moe import add_rmsnorm_route_ref
-    return add_rmsnorm_route_ref(x, h, norm_weight, eps, router_weight, top_k, renormalize, out_dtype, bias, shared)
-
-
 def expert_counts(topk_ids, token_mask, num_experts):
     """(distinct experts, assignments per expert [E]) of the unmasked tokens (kernels.moe.expert_counts_ref)."""
     if use_triton(topk_ids):

@@ -28,18 +28,6 @@ def router_logits_ref(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x.float(), weight.float())
 
 
-def add_rmsnorm_route_ref(x: Tensor, h: Tensor, norm_weight: Tensor, eps: float, router_weight: Tensor,
-                          top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
-                          bias: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A decoder layer's residual add and post-attention norm, then its MoE's routing: (s = x + h [N, H],
-    xn = rmsnorm(s) [N, H], weights, ids) with (weights, ids) = route_ref(router_logits_ref(xn, router_weight),
-    top_k, renormalize, out_dtype, bias, shared). router_weight [E, H] (or [E + 1, H] with `shared`: its last row
-    the shared expert's gate). The Triton version is one launch at few tokens (no norm or route kernel of its own)."""
-    s, xn = add_rmsnorm_ref(x, h, norm_weight, eps)
-    weights, ids = route_ref(router_logits_ref(xn, router_weight), top_k, renormalize, out_dtype, bias, shared)
-    return s, xn, weights, ids
-
-
 def route_ref(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
               bias: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor]:
     """router_logits [N, E] (+ bias [E], added in the logits' dtype) -> (weights [N, k] in out_dtype, default the

@@ -39,11 +39,6 @@ residual + norm (one kernel where a norm follows, fused_moe_add_rmsnorm_triton),
 its own. A masked token keeps its shared slot (grouped, and added by the reduce): every row gets what the shared
 expert computed apart gives it, and the shared weights are read for the batch anyway.
 
-Up to ROUTE_FUSE_MAX_N tokens (HYBRIDSPEC_ROUTE_FUSE_MAX_N=1..4; default 0, off: not measured on a GPU yet) the
-decoder layer's post-attention residual add + RMSNorm, the router logits and the routing are one launch
-(`_add_rmsnorm_route_kernel`, add_rmsnorm_route_triton): every program normalizes the few rows itself from L2 and
-computes its slice of router rows' fp32 logits; the last program to arrive (an acq_rel counter) routes every row. Two launches fewer a MoE layer of a decode step.
-
 Every touched expert's weights are read once per n-tile; the blocks of one expert sit next to each other in
 the grid (axis 0 fastest), so an expert with several blocks re-reads its tiles from L2, not HBM.
 """
@@ -192,67 +187,11 @@ def router_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
 # routing: softmax over experts, top-k, optional renormalization
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _softmax_topk(x, e, E, R: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORM: tl.constexpr):
-    """x [R, E_P2] fp32 logits (-inf from column E on) -> (vals [R, K_P2] the top TOP_K softmax probabilities in
-    order, renormalized with RENORM, 0 past TOP_K; idxs [R, K_P2] int64, ties to the lowest index), as route_ref."""
-    x = x - tl.max(x, axis=1)[:, None]
-    p = tl.exp(x)
-    p = p / tl.sum(p, axis=1)[:, None]  # softmax in fp32, 0 in the padding
-    p = tl.where((e < E)[None, :], p, -1.0)
-    kk = tl.arange(0, K_P2)
-    vals = tl.zeros([R, K_P2], tl.float32)
-    idxs = tl.zeros([R, K_P2], tl.int64)
-    for j in tl.static_range(TOP_K):
-        m = tl.max(p, axis=1)  # [R]
-        idx = tl.min(tl.where(p == m[:, None], e[None, :], E + x.shape[1]), axis=1)  # lowest index among ties
-        vals = tl.where((kk == j)[None, :], m[:, None], vals)
-        idxs = tl.where((kk == j)[None, :], idx[:, None].to(tl.int64), idxs)
-        p = tl.where(e[None, :] == idx[:, None], -2.0, p)
-    if RENORM:
-        vals = vals / tl.sum(tl.where((kk < TOP_K)[None, :], vals, 0.0), axis=1)[:, None]
-    return vals, idxs
-
-
-@triton.jit
-def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows, rmask, E, stride_l, R: tl.constexpr,
-                TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, ROW_OUT: tl.constexpr, CG: tl.constexpr):
-    """route_ref for the logits rows `rows` [R] (rmask: the real ones) -> w_ptr / ids_ptr rows of ROW_OUT. CG: the
-    logits read through L2 only (written by other programs of the same launch)."""
-    e = tl.arange(0, E_P2)
-    lmask = rmask[:, None] & (e < E)[None, :]
-    lptr = logits_ptr + rows[:, None].to(tl.int64) * stride_l + e[None, :]
-    if CG:
-        x = tl.load(lptr, mask=lmask, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(lptr, mask=lmask, other=-float("inf")).to(tl.float32)
-    x = tl.where(rmask[:, None], x, 0.0)  # rows past the last: finite, never stored
-    if HAS_BIAS:
-        x = (x + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]).to(logits_ptr.dtype.element_ty)
-        x = x.to(tl.float32)  # the reference adds in the logits' dtype
-    vals, idxs = _softmax_topk(x, e, E, R, TOP_K, K_P2, RENORM)
-    kk = tl.arange(0, K_P2)
-    out = rows[:, None].to(tl.int64) * ROW_OUT + kk[None, :]
-    omask = rmask[:, None] & (kk < TOP_K)[None, :]
-    tl.store(w_ptr + out, vals.to(w_ptr.dtype.element_ty), mask=omask)
-    tl.store(ids_ptr + out, idxs, mask=omask)
-    if SHARED:
-        gptr = logits_ptr + rows.to(tl.int64) * stride_l + E
-        if CG:
-            gl = tl.load(gptr, mask=rmask, other=0.0, cache_modifier=".cg")
-        else:
-            gl = tl.load(gptr, mask=rmask, other=0.0)
-        gate = tl.sigmoid(gl.to(tl.float32))
-        tl.store(w_ptr + rows.to(tl.int64) * ROW_OUT + TOP_K, gate.to(w_ptr.dtype.element_ty), mask=rmask)
-        tl.store(ids_ptr + rows.to(tl.int64) * ROW_OUT + TOP_K, tl.zeros_like(rows).to(tl.int64) + E, mask=rmask)
-
-
-@triton.jit
 def _route_kernel(
-    logits_ptr,  # [N, E] (E + 1 columns with SHARED)
+    logits_ptr,  # [N, E]
     bias_ptr,  # [E] fp32 logit bias (HAS_BIAS) or a dummy
-    w_ptr,  # [N, ROW_OUT] out, the weights' dtype
-    ids_ptr,  # [N, ROW_OUT] out, int64
+    w_ptr,  # [N, K] out, the weights' dtype
+    ids_ptr,  # [N, K] out, int64
     E,
     stride_l,
     TOP_K: tl.constexpr,
@@ -265,9 +204,33 @@ def _route_kernel(
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_prologue(PDL)
-    rows = tl.program_id(0) + tl.arange(0, 1)  # one row a program
-    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows, rows >= 0, E, stride_l, 1, TOP_K, K_P2, E_P2, RENORM,
-                HAS_BIAS, SHARED, ROW_OUT, False)
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    if HAS_BIAS:
+        x = (x + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)).to(logits_ptr.dtype.element_ty)
+        x = x.to(tl.float32)  # the reference adds in the logits' dtype
+    x = x - tl.max(x, axis=0)
+    p = tl.exp(x)
+    p = p / tl.sum(p, axis=0)  # [E_P2] softmax in fp32, 0 in the padding
+    p = tl.where(e < E, p, -1.0)
+    kk = tl.arange(0, K_P2)
+    vals = tl.zeros([K_P2], tl.float32)
+    idxs = tl.zeros([K_P2], tl.int64)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == m, e, E_P2), axis=0)  # lowest index among ties
+        vals = tl.where(kk == j, m, vals)
+        idxs = tl.where(kk == j, idx.to(tl.int64), idxs)
+        p = tl.where(e == idx, -2.0, p)
+    if RENORM:
+        vals = vals / tl.sum(tl.where(kk < TOP_K, vals, 0.0), axis=0)
+    tl.store(w_ptr + row * ROW_OUT + kk, vals.to(w_ptr.dtype.element_ty), mask=kk < TOP_K)
+    tl.store(ids_ptr + row * ROW_OUT + kk, idxs, mask=kk < TOP_K)
+    if SHARED:
+        gate = tl.sigmoid(tl.load(logits_ptr + row * stride_l + E).to(tl.float32))
+        tl.store(w_ptr + row * ROW_OUT + TOP_K, gate.to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + row * ROW_OUT + TOP_K, E.to(tl.int64))
 
 
 # warps of the route kernel and of the MoE's reduce + norm kernel (None: the rule at their launch;
@@ -299,134 +262,6 @@ def route_triton(router_logits: Tensor, top_k: int, renormalize: bool, out_dtype
                         HAS_BIAS=bias is not None, SHARED=bool(shared), ROW_OUT=row_out,
                         num_warps=ROUTE_WARPS or (1 if e_p2 <= 512 else 4), **pdl_args(logits.device))
     return weights, ids
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# a decoder layer's residual add + post-attention norm, router logits and routing in one launch (few tokens)
-# ---------------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["early"])  # one compile for eager and captured calls
-def _add_rmsnorm_route_kernel(
-    x_ptr,  # [N, H] the residual stream
-    h_ptr,  # [N, H] the attention / GDN output
-    nw_ptr,  # [H] the post-attention norm's weight
-    s_ptr,  # [N, H] out: x + h
-    xn_ptr,  # [N, H] out: rmsnorm(x + h)
-    w_ptr,  # [EC, H] router rows (EC = E, or E + 1 with SHARED: the shared expert's gate row last)
-    logits_ptr,  # [N, EC] fp32 out (the routing reads them back)
-    bias_ptr,  # [E] fp32 logit bias (HAS_BIAS) or a dummy
-    rw_ptr,  # [N, ROW_OUT] out: routing weights
-    ids_ptr,  # [N, ROW_OUT] out: expert ids, int64
-    counter_ptr,  # [1] int32, 0 between launches (each launch leaves it 0)
-    N,
-    E,
-    EC,
-    H,
-    stride_x,
-    stride_h,
-    stride_w,
-    eps,
-    early,  # 1: the router weight tile is read before the PDL prologue (kernels/pdl.py early_reads), 0: after
-    BLOCK_N: tl.constexpr,  # >= N
-    BLOCK_E: tl.constexpr,  # router rows a program
-    BLOCK_H: tl.constexpr,  # >= H: every program holds the whole normalized rows
-    TOP_K: tl.constexpr,
-    K_P2: tl.constexpr,
-    E_P2: tl.constexpr,
-    RENORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SHARED: tl.constexpr,
-    ROW_OUT: tl.constexpr,
-    FENCE: tl.constexpr,  # a gpu-scope fence per thread before the counter (real GPUs; the interpreter runs in order)
-    PDL: tl.constexpr = False,
-):
-    """Every program computes s = x + h and rmsnorm(s) for all N rows itself (2 x N x H reads from L2; program 0
-    stores them), then its BLOCK_E router rows' fp32 logits; the last program to finish (an acq_rel counter, the
-    threadfence-reduction pattern) routes every row from the logits, as _route_kernel would in its own launch."""
-    pid = tl.program_id(0)
-    e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    n = tl.arange(0, BLOCK_N)
-    c = tl.arange(0, BLOCK_H)
-    cmask = c < H
-    if early == 0:
-        pdl_prologue(PDL)
-    w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + c[None, :], mask=(e < EC)[:, None] & cmask[None, :],
-                other=0.0)  # [BE, BH]
-    if early != 0:
-        pdl_prologue(PDL)
-    rmask = (n < N)[:, None] & cmask[None, :]
-    xv = tl.load(x_ptr + n[:, None].to(tl.int64) * stride_x + c[None, :], mask=rmask, other=0.0)  # [BN, BH]
-    hv = tl.load(h_ptr + n[:, None].to(tl.int64) * stride_h + c[None, :], mask=rmask, other=0.0)
-    sv = (xv.to(tl.float32) + hv.to(tl.float32)).to(xv.dtype)  # rounded as kernels/norm.py's add (x's dtype)
-    sf = sv.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / H + eps)  # [BN]
-    nw = tl.load(nw_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-    xn = (sf * rstd[:, None] * (1.0 + nw[None, :])).to(xn_ptr.dtype.element_ty)  # [BN, BH]
-    if pid == 0:
-        out = n[:, None].to(tl.int64) * H + c[None, :]
-        tl.store(s_ptr + out, sv, mask=rmask)
-        tl.store(xn_ptr + out, xn, mask=rmask)
-    acc = tl.sum(xn.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BN, BE] fp32 sums
-    tl.store(logits_ptr + n[:, None].to(tl.int64) * EC + e[None, :], acc, mask=(n < N)[:, None] & (e < EC)[None, :])
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [e.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    tl.debug_barrier()  # every thread's logits stored before the counter moves
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:  # the last program: every logit is written
-        tl.debug_barrier()
-        _route_rows(logits_ptr, bias_ptr, rw_ptr, ids_ptr, n, n < N, E, EC, BLOCK_N, TOP_K, K_P2, E_P2, RENORM,
-                    HAS_BIAS, SHARED, ROW_OUT, True)
-        tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
-
-
-# tokens up to which add_rmsnorm_route_triton is one launch (HYBRIDSPEC_ROUTE_FUSE_MAX_N, read at import, 0 .. 4; 0:
-# the three kernels). Default 0 until a GPU measures it (bench/NOTES.md 2026-12-06 18:26: no device came); rows up to
-# ROUTE_FUSE_MAX_H wide (each program holds whole rows in registers)
-ROUTE_FUSE_MAX_N = _env_int("HYBRIDSPEC_ROUTE_FUSE_MAX_N", 0, 0, ROUTER_GEMV_MAX_N)
-ROUTE_FUSE_MAX_H = 4096
-_route_counters: dict[torch.device, Tensor] = {}
-
-
-def add_rmsnorm_route_triton(x: Tensor, h: Tensor, norm_weight: Tensor, eps: float, router_weight: Tensor,
-                             top_k: int, renormalize: bool, out_dtype: torch.dtype | None = None,
-                             bias: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """kernels.moe.add_rmsnorm_route_ref: (x + h, rmsnorm(x + h), routing weights, expert ids). Up to
-    ROUTE_FUSE_MAX_N tokens one launch (_add_rmsnorm_route_kernel: no norm and no route kernel of their own, ~2
-    fewer launches a MoE layer of a decode step); larger steps run add_rmsnorm, router_logits and route apart.
-    One counter per device: calls on one device must not run concurrently on different streams."""
-    n, hd = x.shape
-    if not (0 < n <= ROUTE_FUSE_MAX_N and hd <= ROUTE_FUSE_MAX_H):
-        from kernels.norm_triton import add_rmsnorm_triton
-        s, xn = add_rmsnorm_triton(x, h, norm_weight, eps)
-        weights, ids = route_triton(router_logits_triton(xn, router_weight), top_k, renormalize, out_dtype, bias,
-                                    shared)
-        return s, xn, weights, ids
-    dev = x.device
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    h = h if h.stride(-1) == 1 else h.contiguous()
-    norm_weight = norm_weight if norm_weight.stride(-1) == 1 else norm_weight.contiguous()
-    early = int(early_reads(dev) and router_weight.stride(-1) == 1)
-    w = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
-    cols = w.shape[0]
-    e = cols - 1 if shared else cols
-    row_out = top_k + 1 if shared else top_k
-    s = torch.empty(n, hd, dtype=x.dtype, device=dev)
-    xn = torch.empty(n, hd, dtype=x.dtype, device=dev)
-    logits = torch.empty(n, cols, dtype=torch.float32, device=dev)
-    weights = torch.empty(n, row_out, dtype=out_dtype or torch.float32, device=dev)
-    ids = torch.empty(n, row_out, dtype=torch.int64, device=dev)
-    counter = _route_counters.get(dev)
-    if counter is None:
-        counter = _route_counters[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-    block_n = triton.next_power_of_2(n)
-    block_e, _, warps = ROUTER_GEMV_TILES[block_n]
-    _add_rmsnorm_route_kernel[(triton.cdiv(cols, block_e),)](
-        x, h, norm_weight, s, xn, w, logits, bias if bias is not None else logits, weights, ids, counter, n, e, cols,
-        hd, x.stride(0), h.stride(0), w.stride(0), eps, early, BLOCK_N=block_n, BLOCK_E=block_e,
-        BLOCK_H=triton.next_power_of_2(hd), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
-        E_P2=triton.next_power_of_2(e), RENORM=bool(renormalize), HAS_BIAS=bias is not None, SHARED=bool(shared),
-        ROW_OUT=row_out, FENCE=x.is_cuda, num_warps=warps, **pdl_args(dev))
-    return s, xn, weights, ids
 
 
 def _mask_i8(token_mask: Tensor) -> Tensor:

@@ -403,30 +403,13 @@ class SparseMoe(nn.Module):
             return dispatch.moe_residual_rmsnorm(residual, routed, gate_logit, shared, norm.weight, norm.eps)
         return dispatch.moe_residual(residual, routed, gate_logit, shared)
 
-    def forward_after_mixer(self, x: Tensor, h: Tensor, post_norm: RMSNorm, ctx: MoEContext | None = None,
-                            norm: "RMSNorm | None" = None) -> Tensor | tuple[Tensor, Tensor]:
-        """A decoder layer's second half from its mixer's output h [N, H]: s = x + h, post_norm(s) through this
-        MoE, then s + experts (with `norm`: and norm of that), as add_rmsnorm followed by `forward`. Where the fused
-        path runs on the Triton path (local, few tokens) the add, the norm, the router logits and the routing are
-        one call (dispatch.add_rmsnorm_route: one launch up to kernels.moe_triton.ROUTE_FUSE_MAX_N tokens)."""
-        n = h.shape[0]
-        if self.ep is None and n <= min(self.SHARED_FUSE_MAX_N, ROUTER_LOGITS_MAX_N) and dispatch.use_triton(h):
-            s, hn, weights, ids = dispatch.add_rmsnorm_route(
-                x, h, post_norm.weight, post_norm.eps, self._router_shared(fp32=False), self.top_k,
-                self.renormalize, h.dtype, self.router_bias, shared=True)
-            return self._forward_fused(hn, ctx, s, norm, routing=(weights, ids))
-        x, h = dispatch.add_rmsnorm(x, h, post_norm.weight, post_norm.eps)
-        return self(h, ctx, residual=x, norm=norm)
-
     def _forward_fused(self, x: Tensor, ctx: MoEContext | None, residual: Tensor | None,
-                       norm: "RMSNorm | None", routing: tuple[Tensor, Tensor] | None = None
-                       ) -> Tensor | tuple[Tensor, Tensor]:
-        """`forward` with the shared expert as expert id E of the fused MoE: router logits, route (or `routing`,
-        route_shared's result computed by the caller), the expert launches, then the residual add (+ norm). With a
-        residual and a norm the experts' reduction, the add and the norm are one launch
-        (dispatch.fused_moe_add_rmsnorm: the same values as fused_moe + add_rmsnorm). The router correction and the
-        routing statistics see the k routed slots only."""
-        weights, ids = routing if routing is not None else self.route_shared(x)  # [N, k + 1]
+                       norm: "RMSNorm | None") -> Tensor | tuple[Tensor, Tensor]:
+        """`forward` with the shared expert as expert id E of the fused MoE: router logits, route, the expert
+        launches, then the residual add (+ norm). With a residual and a norm the experts' reduction, the add and
+        the norm are one launch (dispatch.fused_moe_add_rmsnorm: the same values as fused_moe + add_rmsnorm). The
+        router correction and the routing statistics see the k routed slots only."""
+        weights, ids = self.route_shared(x)  # [N, k + 1]
         num_experts = self.experts.gate_up_proj.shape[0]
         token_mask, stats = self._mask_stats(ctx, ids[:, :self.top_k], num_experts)
         if residual is not None and norm is not None and self.REDUCE_NORM:  # the sum, the add and the norm: one kernel
@@ -524,10 +507,10 @@ class DecoderLayer(nn.Module):
         else:
             h = self.linear_attn(h, batch, state, write, scratch, layer_index)
         norm = self.post_attention_layernorm
-        if isinstance(self.mlp, SparseMoe):  # the add + norm with its routing, x + experts (+ next norm) in its last
-            out = self.mlp.forward_after_mixer(x, h, norm, moe, next_norm)
-            return out if next_norm is not None else (out, None)
         x, h = dispatch.add_rmsnorm(x, h, norm.weight, norm.eps)  # the residual add and the norm: one kernel
+        if isinstance(self.mlp, SparseMoe):  # x + experts (and the next norm) in the MoE's last kernel
+            out = self.mlp(h, moe, residual=x, norm=next_norm)
+            return out if next_norm is not None else (out, None)
         x = x + self.mlp(h)
         return x, (next_norm(x) if next_norm is not None else None)
 
