@@ -26,7 +26,8 @@ CUDA graph (every grid is sized from shapes only, with an upper bound on the wor
 Up to MOE_GEMV_MAX_N tokens (2; HYBRIDSPEC_MOE_GEMV_MAX_N) steps 1-3 are instead two per-assignment GEMVs with no
 grouping: `_moe_gemv_gate_up_kernel`, one program per (assignment, BLOCK_I intermediate columns) reading its gate and
 up rows in one tile on the CUDA cores, and `_moe_gemv_down_kernel`, one per (assignment, BLOCK_H output rows), which
-reads its routing and weights before its PDL wait in a captured step. At one token the grouped kernels run ~160
+reads its routing and weights before its PDL wait in a captured step (the gate/up's shared-expert programs, launched
+first, read the shared weights and x and sum before theirs: MOE_SHARED_EARLY). At one token the grouped kernels run ~160
 programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB programs. A token has
 distinct experts, so no weight is read twice; at two tokens a shared expert is read twice (from L2 the second
 time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE layer's tail 35.3 ->
@@ -647,8 +648,31 @@ def _assignment(topk_ids_ptr, mask_ptr, a, E, TOP_K: tl.constexpr, HAS_MASK: tl.
     return expert, tok, keep
 
 
-# NK varies every step, STATS (and the statistics' buffers) with the policy: one compile for all
-@triton.jit(do_not_specialize=["NK", "STATS", "distinct_ptr", "counts_ptr"])
+@triton.jit
+def _gate_up_sums(x_ptr, w_base, wn, inter, tok, stride_xn, pid_n, H, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 (gate, up) sums [BLOCK_I] of columns pid_n*BLOCK_I.. of one expert (rows at w_base, wn apart, gate rows
+    then `inter` rows on its up rows) for token tok's row of x."""
+    n = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
+    nmask = n < inter
+    k = tl.arange(0, BLOCK_K)
+    wg_ptrs = w_base + n[:, None].to(tl.int64) * wn + k[None, :]  # [BI, BK]
+    wu_ptrs = wg_ptrs + inter * wn
+    acc_g = tl.zeros([BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_I], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kmask = (k0 + k) < H
+        wmask = nmask[:, None] & kmask[None, :]
+        # (the expert weights are read once per step: evict_first keeps them from evicting activations from L2)
+        wg = tl.load(wg_ptrs + k0, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        wu = tl.load(wu_ptrs + k0, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        xv = tl.load(x_ptr + tok * stride_xn + k0 + k, mask=kmask, other=0.0).to(tl.float32)  # [BK]
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+    return acc_g, acc_u
+
+
+# NK varies every step, STATS (and the statistics' buffers) with the policy, `early` with the capture: one compile
+@triton.jit(do_not_specialize=["NK", "STATS", "distinct_ptr", "counts_ptr", "early"])
 def _moe_gemv_gate_up_kernel(
     x_ptr,  # [N, H]
     w_ptr,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (with SHARED: the E - 1 routed experts)
@@ -669,6 +693,7 @@ def _moe_gemv_gate_up_kernel(
     stride_wn,
     stride_swn,
     stride_hm,
+    early,  # 1 (SHARED): the shared slots' sums are computed before the PDL prologue (see below), 0: after
     TOP_K: tl.constexpr,
     BLOCK_I: tl.constexpr,  # intermediate columns a program: its BLOCK_I gate rows and BLOCK_I up rows
     BLOCK_K: tl.constexpr,  # >= H: the rows in one tile, every load issued at once ("one-shot")
@@ -678,13 +703,33 @@ def _moe_gemv_gate_up_kernel(
     SHARED: tl.constexpr,  # expert id E - 1 is the shared expert (ws_ptr, I_S)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    """Program (a, j): assignment a's columns j*BLOCK_I.. of silu(x W_gate^T) * (x W_up^T), summed in fp32 on the
-    CUDA cores (no 16-row tl.dot padding for one token), rounded once to h's dtype as the grouped kernel's."""
+    """Program (j, s): assignment a's columns j*BLOCK_I.. of silu(x W_gate^T) * (x W_up^T), summed in fp32 on the
+    CUDA cores (no 16-row tl.dot padding for one token), rounded once to h's dtype as the grouped kernel's.
+    Axis 1 walks the assignments slot-major with SHARED: s < N are the tokens' last slots (route's layout puts the
+    shared expert there), launched first. With `early` (a captured step under PDL) those programs read the shared
+    weights and x (written three launches back: kernels/pdl.py) and sum before their prologue, while the route
+    before this kernel still runs; after it they check the slot's id and store (a slot that is not the shared
+    expert after all is summed again from its own expert: any layout gives the same h)."""
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    if SHARED:  # slot-major: s = j' * N + t, slot j = j' - 1 (mod TOP_K), so s < N are the last slots
+        ntok = NK // TOP_K
+        a = (s % ntok) * TOP_K + (s // ntok + TOP_K - 1) % TOP_K
+    else:
+        a = s
+    pre = False
+    acc_g = tl.zeros([BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_I], tl.float32)
+    if SHARED:
+        if early != 0:
+            pre = a % TOP_K == TOP_K - 1
+    if pre:  # the shared expert's sums before the wait (no store: the allocator's order holds only after it)
+        if pid_n * BLOCK_I < I_S:
+            acc_g, acc_u = _gate_up_sums(x_ptr, ws_ptr, stride_swn, I_S, (a // TOP_K).to(tl.int64), stride_xn,
+                                         pid_n, H, BLOCK_I, BLOCK_K)
     pdl_prologue(PDL)
-    a = tl.program_id(0)
-    pid_n = tl.program_id(1)
     if STATS > 0:
-        if (a == 0) & (pid_n == 0):  # the step's routing statistics: the grouping's histogram, computed here
+        if (s == 0) & (pid_n == 0):  # the step's routing statistics: the grouping's histogram, computed here
             offs = tl.arange(0, NK_P2)
             kept = _kept_ids(topk_ids_ptr, mask_ptr, offs, NK, E, TOP_K, HAS_MASK, SHARED)
             bins = tl.arange(0, E_P2)
@@ -696,24 +741,13 @@ def _moe_gemv_gate_up_kernel(
     w_base, wn, inter = _expert_weights(w_ptr, ws_ptr, expert, E, I, I_S, stride_we, stride_wn, stride_swn, SHARED)
     if pid_n * BLOCK_I >= inter:  # I != I_S: slices past this expert's width
         return
+    if pre:
+        pre = expert == E - 1
+    if not pre:
+        acc_g, acc_u = _gate_up_sums(x_ptr, w_base, wn, inter, tok, stride_xn, pid_n, H, BLOCK_I, BLOCK_K)
     n = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
-    nmask = n < inter
-    k = tl.arange(0, BLOCK_K)
-    wg_ptrs = w_base + n[:, None].to(tl.int64) * wn + k[None, :]  # [BI, BK]
-    wu_ptrs = wg_ptrs + inter * wn
-    acc_g = tl.zeros([BLOCK_I], tl.float32)
-    acc_u = tl.zeros([BLOCK_I], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kmask = (k0 + k) < H
-        wmask = nmask[:, None] & kmask[None, :]
-        # (the expert weights are read once per step: evict_first keeps them from evicting activations from L2)
-        wg = tl.load(wg_ptrs + k0, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        wu = tl.load(wu_ptrs + k0, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        xv = tl.load(x_ptr + tok * stride_xn + k0 + k, mask=kmask, other=0.0).to(tl.float32)  # [BK]
-        acc_g += tl.sum(wg * xv[None, :], axis=1)
-        acc_u += tl.sum(wu * xv[None, :], axis=1)
     hval = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-    tl.store(h_ptr + a.to(tl.int64) * stride_hm + n, hval.to(h_ptr.dtype.element_ty), mask=nmask)
+    tl.store(h_ptr + a.to(tl.int64) * stride_hm + n, hval.to(h_ptr.dtype.element_ty), mask=n < inter)
 
 
 @triton.jit(do_not_specialize=["early"])  # (early: one compile for eager and captured calls)
@@ -991,6 +1025,9 @@ FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many ass
 # MOE_GEMV_TILES: (gate/up columns a program, its warps, down rows a program, its warps).
 MOE_GEMV_MAX_N = _env_int("HYBRIDSPEC_MOE_GEMV_MAX_N", 2, 0, 64)
 MOE_GEMV_TILES = (2, 8, 8, 4)
+# In a captured step under PDL the GEMV gate/up's shared-expert programs (launched first) sum before their prologue,
+# while the route runs (the shared weights and x are not the route's). HYBRIDSPEC_MOE_SHARED_EARLY=0: after it (A/B)
+MOE_SHARED_EARLY = _env_int("HYBRIDSPEC_MOE_SHARED_EARLY", 1, 0, 1) == 1
 GROUPED_CONFIG_KEYS = frozenset(("block_m", "gate_up", "down", "fuse_align", "fuse_reduce"))
 FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments
 
@@ -1066,6 +1103,8 @@ def fused_moe_triton(
             return MoeRows(y0, y0, topk_ids.reshape(-1), num_experts + (shared is not None), token_mask is not None,
                            shared is not None)
         return torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
+    # the GEMV gate/up's shared programs read x and the shared weights before their PDL wait: not a copy made now
+    shared_early = x.stride(-1) == 1 and shared is not None and shared[0].stride(-1) == 1
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
@@ -1090,7 +1129,8 @@ def fused_moe_triton(
             raise ValueError("fused_moe_triton: config gemv=True (per-assignment GEMVs, summed by the reduce kernel) "
                              "and fuse_reduce=True (the grouped down kernel's own sum) exclude each other")
         y, mask = _moe_gemv(x, w_gate_up, w_down, ws_gu, ws_dn, ids, rw, token_mask, stats, num_experts, ids_total,
-                            top_k, inter, inter_s, shared is not None, cfg.get("gemv_tiles", MOE_GEMV_TILES))
+                            top_k, inter, inter_s, shared is not None, cfg.get("gemv_tiles", MOE_GEMV_TILES),
+                            shared_early)
         if not reduce:
             return MoeRows(y, mask, ids, ids_total, token_mask is not None, shared is not None)
         return _reduce(y, mask, ids, ids_total, num_tokens, top_k, token_mask is not None, shared is not None)
@@ -1163,9 +1203,12 @@ def _reduce(y: Tensor, mask: Tensor, ids: Tensor, ids_total: int, num_tokens: in
 
 def _moe_gemv(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ws_gu: Tensor, ws_dn: Tensor, ids: Tensor, rw: Tensor,
               token_mask: Tensor | None, stats, num_experts: int, ids_total: int, top_k: int, inter: int,
-              inter_s: int, shared: bool, tiles: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
+              inter_s: int, shared: bool, tiles: tuple[int, int, int, int],
+              shared_early: bool = False) -> tuple[Tensor, Tensor]:
     """fused_moe_triton's experts as per-assignment GEMVs (two launches, no grouping): (y [N*k, H], one weighted
-    row per kept assignment; the int8 mask the reduce reads). The routing statistics from program (0, 0)."""
+    row per kept assignment; the int8 mask the reduce reads). The routing statistics from program (0, 0).
+    `shared_early`: x and the shared weights are the caller's tensors (no copy launched just now), so in a captured
+    step the shared programs may read them before their PDL wait (MOE_SHARED_EARLY)."""
     nk, hidden = ids.numel(), x.shape[1]
     dev = x.device
     has_mask = token_mask is not None
@@ -1174,9 +1217,10 @@ def _moe_gemv(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ws_gu: Tensor, ws_dn
     inter_max = max(inter, inter_s)
     block_i, warps_i, block_h, warps_h = tiles
     h = torch.empty(nk, inter_max, dtype=x.dtype, device=dev)  # [N*k, max(I, I_s)]
-    _moe_gemv_gate_up_kernel[(nk, triton.cdiv(inter_max, block_i))](
+    _moe_gemv_gate_up_kernel[(triton.cdiv(inter_max, block_i), nk)](
         x, w_gate_up, ws_gu, h, ids, mask, stats_distinct, stats_counts, stats_flag, nk, ids_total, hidden, inter,
         inter_s, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws_gu.stride(0), h.stride(0),
+        int(shared and shared_early and MOE_SHARED_EARLY and early_reads(dev)),
         TOP_K=top_k, BLOCK_I=block_i, BLOCK_K=min(triton.next_power_of_2(hidden), 4096), HAS_MASK=has_mask,
         E_P2=triton.next_power_of_2(ids_total + 1), NK_P2=triton.next_power_of_2(max(nk, 16)), SHARED=shared,
         num_warps=warps_i, **pdl_args(dev))

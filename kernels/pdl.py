@@ -12,9 +12,10 @@ PDL a kernel is launched with `launch_pdl=True` and may be scheduled while the k
 - inside a CUDA-graph capture (`early_reads`) a few kernels read operands before their prologue, so those loads are
   in flight while the kernel before them finishes: the GEMV and the router logits their first weight tile
   (kernels/gemv_triton.py, moe_triton.py), the GDN decode cu_seqlens, slots and its state tile
-  (gdn_decode_triton.py). Because the kernel before a kernel waited for its own predecessor before letting it
-  launch, only the immediately preceding kernel can still be running there: such a read is safe for data that
-  kernel does not write. In a captured step the weights (and the caches derived from them) were written before the
+  (gdn_decode_triton.py), the per-assignment MoE gate/up GEMV's shared-expert programs the shared weights and
+  their token's x, which the router logits read before the route (moe_triton.py MOE_SHARED_EARLY). Because the
+  kernel before a kernel waited for its own predecessor before letting it launch, only the immediately preceding
+  kernel can still be running there: such a read is safe for data that kernel does not write. In a captured step the weights (and the caches derived from them) were written before the
   capture began and the decode follows its layer's input projection; a launcher that copies a weight first (a
   non-contiguous one) reads it after the wait. Eager launches read everything after the wait (a weight cache may
   have been built by the kernel just before);

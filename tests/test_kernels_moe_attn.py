@@ -521,15 +521,27 @@ def _checks() -> dict:
 
     checks["moe_gemv_fuse_reduce_refused"] = gemv_fuse_reduce_case
 
+    def shared_elsewhere_case(n, mask, inter_s):  # the shared slot first, not route's last: the same rows
+        x = torch.randn(n, H)
+        w, ids = route_ref(torch.randn(n, E + 1), K, True, shared=True)
+        order = torch.tensor([K] + list(range(K)))
+        w, ids = w[:, order].contiguous(), ids[:, order].contiguous()
+        ws = (torch.randn(2 * inter_s, H) / H ** 0.5, torch.randn(H, inter_s) / inter_s ** 0.5)
+        out = fused_moe_triton(x, w_gu, w_dn, w, ids, mask, config={"gemv": True}, shared=ws)
+        return _rel(out, fused_moe_ref(x, w_gu, w_dn, w, ids, mask, shared=ws))
+
     def gemv_early_case():  # a captured step's order (kernels/pdl.py early_reads): the down GEMV reads its routing
-        # and first weight tile before its prologue, a masked assignment's program passes its prologue and returns
+        # and first weight tile before its prologue, a masked assignment's program passes its prologue and returns;
+        # the gate/up's shared programs sum before theirs and check the slot's id after it
         import kernels.moe_triton as MT
 
         real = MT.early_reads
         MT.early_reads = lambda device: True
         try:
             return max(moe_case(1), moe_case(2, mask2), moe_shared_case(2, mask2),
-                       moe_shared_case(1, torch.tensor([False]), inter_s=48))
+                       moe_shared_case(1, torch.tensor([False]), inter_s=48),
+                       moe_shared_case(2, None, inter_s=8), shared_elsewhere_case(1, None, I),
+                       shared_elsewhere_case(2, mask2, 48))
         finally:
             MT.early_reads = real
 
