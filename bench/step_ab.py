@@ -1,7 +1,8 @@
 """A/B of one module setting on the graphed AR decode step (issue 6), one command on the H200:
     PYTHONPATH=. python bench/step_ab.py --layers 40 --set kernels.moe_triton.MOE_GEMV_MAX_N=0,1 [--out $OUT]
 Builds the bench model once (Qwen3.6-35B-A3B shapes, bf16, Zipf router, decisive logits), then for each round and
-each value of the setting (alternating, `--rounds` times) a fresh runner with CUDA graphs (a setting read at launch
+each value of the setting (alternating, `--rounds` times; `--set` repeated: the settings move together, configuration
+i being each one's i-th value) a fresh runner with CUDA graphs (a setting read at launch
 time is what its captures hold) serves `--batch` requests for `--new` tokens: the median step ms, the floor, and the
 greedy tokens against the first value's (bf16: the kernels' summation orders may break ties differently). The step
 moves by up to 6% between repeats in one call: read the rounds, not one run. Writes `step_ab.json`. `--tiny` runs
@@ -48,14 +49,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--set", required=True, help="module.NAME=v1,v2 (integers), e.g. "
-                    "kernels.moe_triton.MOE_GEMV_MAX_N=0,1")
+    ap.add_argument("--set", required=True, action="append",
+                    help="module.NAME=v1,v2 (integers), e.g. kernels.moe_triton.MOE_GEMV_MAX_N=0,1; repeated, the "
+                    "settings move together (every one the same number of values: configuration i is each one's "
+                    "i-th value)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    module, attr, values = parse_setting(args.set)
+    settings = [parse_setting(text) for text in args.set]
+    configs = list(range(len(settings[0][2])))
+    if any(len(vals) != len(configs) for _, _, vals in settings):
+        raise SystemExit(f"--set: every setting needs the same number of values, got {args.set}")
+    label = ", ".join(attr for _, attr, _ in settings)
+
+    def apply(i: int) -> dict:
+        for module, attr, vals in settings:
+            setattr(module, attr, vals[i])
+        return {attr: vals[i] for _, attr, vals in settings}
+
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_bench_model(num_layers=args.layers, config=tiny_config() if args.tiny else None, dtype=dtype,
@@ -67,12 +80,12 @@ def main() -> None:
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
     floor = floor_ms(cfg, 2 if dtype == torch.bfloat16 else 4,
                      min(cfg.num_experts, args.batch * cfg.num_experts_per_tok), args.batch, prompt_len + args.new // 2)
-    original = getattr(module, attr)
+    originals = [getattr(module, attr) for module, attr, _ in settings]
     rows, first_tokens = [], None
     try:
         for rnd in range(args.rounds):
-            for v in (values if rnd % 2 == 0 else values[::-1]):
-                setattr(module, attr, v)
+            for i in (configs if rnd % 2 == 0 else configs[::-1]):
+                applied = apply(i)
                 runner = ModelRunner(model, ModelCache(cfg, num_pages + 1, page_size, args.batch + 1, dtype, device))
                 if device == "cuda":
                     why = runner.enable_graphs(args.batch, pages, warm=False)
@@ -84,21 +97,24 @@ def main() -> None:
                 if first_tokens is None:
                     first_tokens = res.tokens
                 match = sum(a == b for a, b in zip(res.tokens, first_tokens)) / len(first_tokens)
-                row = {"round": rnd, attr: v, "step_ms_median": ms, "floor_ms": floor, "over_floor": ms / floor,
+                row = {"round": rnd, "config": i, **applied, "step_ms_median": ms, "floor_ms": floor, "over_floor": ms / floor,
                        "greedy_match_vs_first": match, "wall_s": time.perf_counter() - t0}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del runner
     finally:
-        setattr(module, attr, original)
-    summary = {v: statistics.median([r["step_ms_median"] for r in rows if r[attr] == v]) for v in values}
+        for (module, attr, _), original in zip(settings, originals):
+            setattr(module, attr, original)
+    summary = {i: statistics.median([r["step_ms_median"] for r in rows if r["config"] == i]) for i in configs}
+    names = {i: ", ".join(f"{attr}={vals[i]}" for _, attr, vals in settings) for i in configs}
     report = {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "layers": cfg.num_hidden_layers, "batch": args.batch, "setting": args.set, "rows": rows,
-              "median_step_ms": summary, "restored": getattr(module, attr) == original}
+              "median_step_ms": {names[i]: ms for i, ms in summary.items()},
+              "restored": all(getattr(m, a) == o for (m, a, _), o in zip(settings, originals))}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_ab.json").write_text(json.dumps(report, indent=1))
-    print(" | ".join(f"{attr}={v}: {ms:.3f} ms ({ms / floor:.2f}x floor)" for v, ms in summary.items()))
+    print(f"{label}: " + " | ".join(f"{names[i]}: {ms:.3f} ms ({ms / floor:.2f}x floor)" for i, ms in summary.items()))
 
 
 if __name__ == "__main__":

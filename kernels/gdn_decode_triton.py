@@ -3,7 +3,7 @@
 Same signature and semantics as kernels/gdn_decode.py (`gdn_decode_ref`: causal conv + SiLU with the window
 update, the gates from the raw a/b projections, q/k L2 norm, one delta-rule step on state[slots], the gated RMSNorm
 of every value head), rounding where the four kernels of the general path round (the conv output, beta and o to
-the activation dtype; the norm as kernels/norm_triton.py). Nothing synchronizes with the host (graph-capturable).
+the activation dtype; the norm as kernels/norm_triton.py); o's fp32 sums in another order (DECODE_SHORT_CHAIN). Nothing synchronizes with the host (graph-capturable).
 
 A program owns (request b, value head hv, BV-wide value tile vt) and reads its [DK, BV] fp32 state tile once,
 writes it once. Its inputs: the DK q and k channels of its key head hk = hv // G (G = HV / HK), its BV v channels,
@@ -52,6 +52,11 @@ DECODE_NORM = os.environ.get("HYBRIDSPEC_GDN_DECODE_NORM", "fused")  # "fused" (
 # and slots in its first kernels, and state resets and commits run outside the step's forward graph.
 # HYBRIDSPEC_GDN_DECODE_EARLY=0 (read at import): every read after the prologue.
 EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
+# The output from the old state (e^g S^T qn + (kn . qn) delta: both sums over DK in one pass, then o) instead of
+# S^T qn after the update (the chain's order: the same values up to fp32 rounding), and with NORM 2 every program
+# loads its group's z and norm weight before the counter, so the last one's tail is the counter, o and the norm.
+# HYBRIDSPEC_GDN_DECODE_SHORT=0 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1): as before
+DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "1") == "1"
 
 
 @triton.jit
@@ -108,6 +113,7 @@ def _gdn_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr, GP: tl.constexpr,
     NORM: tl.constexpr,  # 0: o unnormalised (norm launched after), 1: in the program (BV == DV), 2: last program
+    SHORT: tl.constexpr = True,  # o from the old state (DECODE_SHORT_CHAIN), else after the update, as the chain
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     if early == 0:
@@ -153,14 +159,30 @@ def _gdn_decode_kernel(
                 if hv % G == 0:
                     tl.store(mx_ptr + bos * s_mxn + cq, q.to(mx_ptr.dtype.element_ty), mask=kmask)
                     tl.store(mx_ptr + bos * s_mxn + ck, k.to(mx_ptr.dtype.element_ty), mask=kmask)
-        # the delta rule (kernels/gdn_triton.py _gdn_seq_kernel's order of operations)
+        if NORM == 2:  # the group's z rows and the norm weight, in case this program is the group's last
+            gi = tl.arange(0, GP)
+            d = tl.arange(0, DV)
+            hm = (gi < G)[:, None] & (d < DV)[None, :]
+            cols = (hk * G + gi)[:, None] * DV + d[None, :]  # [GP, DV]
+            zz_g = tl.load(z_ptr + bos * s_zn + cols, mask=hm, other=0.0).to(tl.float32)
+            w_g = tl.load(nw_ptr + d)
         qn = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
         qn = qn * scale
         kn = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        S = S * tl.exp(g)
-        delta = (v - tl.sum(S * kn[:, None], axis=0)) * beta.to(tl.float32)  # [BV]
-        S = S + kn[:, None] * delta[None, :]
-        o = tl.sum(S * qn[:, None], axis=0).to(dt).to(tl.float32)  # [BV], rounded as the chain's o
+        if SHORT:
+            # o from the old state: S' = e^g S + kn delta^T, so o = S'^T qn = e^g (S^T qn) + (kn . qn) delta, and
+            # both sums over DK read the old S at once (one reduction level fewer before o than the order below)
+            eg = tl.exp(g)
+            sk = tl.sum(S * kn[:, None], axis=0)  # [BV]
+            sq = tl.sum(S * qn[:, None], axis=0)  # [BV]
+            delta = (v - eg * sk) * beta.to(tl.float32)  # [BV]
+            S = S * eg + kn[:, None] * delta[None, :]
+            o = (eg * sq + tl.sum(kn * qn, axis=0) * delta).to(dt).to(tl.float32)  # [BV], rounded as the chain's o
+        else:  # the delta rule (kernels/gdn_triton.py _gdn_seq_kernel's order of operations)
+            S = S * tl.exp(g)
+            delta = (v - tl.sum(S * kn[:, None], axis=0)) * beta.to(tl.float32)  # [BV]
+            S = S + kn[:, None] * delta[None, :]
+            o = tl.sum(S * qn[:, None], axis=0).to(dt).to(tl.float32)  # [BV], rounded as the chain's o
         do_write = write == 1
         if write == 2:
             do_write = tl.load(wmask_ptr + b) != 0
@@ -194,15 +216,8 @@ def _gdn_decode_kernel(
                         _store_window(win, cq, kmask, q_win, s_csc, s_csk, KW, BKW)
                         _store_window(win, ck, kmask, k_win, s_csc, s_csk, KW, BKW)
                     if NORM == 2:  # the G value heads of hk, every tile stored by now
-                        gi = tl.arange(0, GP)
-                        d = tl.arange(0, DV)
-                        heads = hk * G + gi
-                        hm = (gi < G)[:, None] & (d < DV)[None, :]
-                        cols = heads[:, None] * DV + d[None, :]  # [GP, DV]
                         oo = tl.load(orow + cols, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
-                        zz = tl.load(z_ptr + bos * s_zn + cols, mask=hm, other=0.0).to(tl.float32)
-                        w = tl.load(nw_ptr + d)
-                        tl.store(orow + cols, _gated_norm(oo, zz, w[None, :], eps, o_ptr, DV, 1), mask=hm)
+                        tl.store(orow + cols, _gated_norm(oo, zz_g, w_g[None, :], eps, o_ptr, DV, 1), mask=hm)
     elif early != 0:  # a request of no token: its programs pass the prologue too (kernels/pdl.py's ordering)
         pdl_prologue(PDL)
 
@@ -283,7 +298,7 @@ def gdn_decode_triton(
             int(EARLY_STATE_READS and early_reads(x.device)),
             HV=heads_v, HK=heads_k, DK=dim_k, DV=dim_v, KW=conv_weight.shape[1] - 1, BK=bk, BV=bv,
             BKW=max(2, triton.next_power_of_2(conv_weight.shape[1] - 1)),
-            GP=max(2, triton.next_power_of_2(heads_v // heads_k)), NORM=norm_mode,
+            GP=max(2, triton.next_power_of_2(heads_v // heads_k)), NORM=norm_mode, SHORT=bool(DECODE_SHORT_CHAIN),
             num_warps=num_warps or max(2, min(16, bk * bv // 1024)),
             **pdl_args(x.device),
         )

@@ -305,11 +305,23 @@ def test_step_ab_tiny_alternates_the_setting_and_restores_it(tmp_path):
     report = json.loads((tmp_path / "step_ab.json").read_text())
     assert [r["MOE_GEMV_MAX_N"] for r in report["rows"]] == [0, 1, 1, 0]
     assert all(r["greedy_match_vs_first"] == 1.0 and r["step_ms_median"] > 0 for r in report["rows"])
-    assert set(report["median_step_ms"]) == {"0", "1"} and report["restored"]
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "step_ab.py"), "--tiny", "--set",
-                          "kernels.moe_triton.NO_SUCH=0,1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode != 0 and "has no NO_SUCH" in bad.stderr
+    assert set(report["median_step_ms"]) == {"MOE_GEMV_MAX_N=0", "MOE_GEMV_MAX_N=1"} and report["restored"]
+    # two settings moving together: configuration i is each one's i-th value
+    run_script("step_ab.py", "--set", "kernels.moe_triton.MOE_GEMV_MAX_N=0,2", "--set",
+               "kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1", "--new", "4", "--rounds", "2", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "step_ab.json").read_text())
+    assert [(r["config"], r["MOE_GEMV_MAX_N"], r["DECODE_SHORT_CHAIN"]) for r in report["rows"]] == [
+        (0, 0, 0), (1, 2, 1), (1, 2, 1), (0, 0, 0)]
+    assert set(report["median_step_ms"]) == {"MOE_GEMV_MAX_N=0, DECODE_SHORT_CHAIN=0",
+                                             "MOE_GEMV_MAX_N=2, DECODE_SHORT_CHAIN=1"} and report["restored"]
+    for args, why in ((["kernels.moe_triton.NO_SUCH=0,1"], "has no NO_SUCH"),
+                      (["kernels.moe_triton.MOE_GEMV_MAX_N=0,1", "kernels.moe_triton.MOE_SHARED_EARLY=0,1,0"],
+                       "the same number of values")):
+        cmd = [sys.executable, str(ROOT / "bench" / "step_ab.py"), "--tiny", "--out", str(tmp_path)]
+        for a in args:
+            cmd += ["--set", a]
+        bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and why in bad.stderr
 
 
 def _e2e_part(conc, rates, commit="abc", wall=1.0):
