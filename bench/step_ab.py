@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     settings = [parse_setting(text) for text in args.set]
+    if len({attr for _, attr, _ in settings}) != len(settings):
+        raise SystemExit(f"--set: each setting once, and no two of the same name (rows are keyed by it): {args.set}")
     configs = list(range(len(settings[0][2])))
     if any(len(vals) != len(configs) for _, _, vals in settings):
         raise SystemExit(f"--set: every setting needs the same number of values, got {args.set}")
@@ -114,7 +116,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_ab.json").write_text(json.dumps(report, indent=1))
-    print(f"{label}: " + " | ".join(f"{names[i]}: {ms:.3f} ms ({ms / floor:.2f}x floor)" for i, ms in summary.items()))
+    print(f"{label}: " + " | ".join(f"{names[i]}: {ms:.3f} ms ({ms / floor:.2f}x floor)"
+                                    for i, ms in summary.items()))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Same signature and semantics as kernels/gdn_decode.py (`gdn_decode_ref`: causal conv + SiLU with the window
 update, the gates from the raw a/b projections, q/k L2 norm, one delta-rule step on state[slots], the gated RMSNorm
 of every value head), rounding where the four kernels of the general path round (the conv output, beta and o to
-the activation dtype; the norm as kernels/norm_triton.py); o's fp32 sums in another order (DECODE_SHORT_CHAIN). Nothing synchronizes with the host (graph-capturable).
+the activation dtype; the norm as kernels/norm_triton.py); with DECODE_SHORT_CHAIN the delta rule's fp32 sums run in
+another order (o and the new state equal the chain's up to fp32 rounding). Nothing synchronizes with the host (graph-capturable).
 
 A program owns (request b, value head hv, BV-wide value tile vt) and reads its [DK, BV] fp32 state tile once,
 writes it once. Its inputs: the DK q and k channels of its key head hk = hv // G (G = HV / HK), its BV v channels,
@@ -53,7 +54,7 @@ DECODE_NORM = os.environ.get("HYBRIDSPEC_GDN_DECODE_NORM", "fused")  # "fused" (
 # HYBRIDSPEC_GDN_DECODE_EARLY=0 (read at import): every read after the prologue.
 EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
 # The output from the old state (e^g S^T qn + (kn . qn) delta: both sums over DK in one pass, then o) instead of
-# S^T qn after the update (the chain's order: the same values up to fp32 rounding), and with NORM 2 every program
+# S^T qn after the update (the chain's order: o and the state equal up to fp32 rounding), and with NORM 2 every program
 # loads its group's z and norm weight before the counter, so the last one's tail is the counter, o and the norm.
 # HYBRIDSPEC_GDN_DECODE_SHORT=0 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1): as before
 DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "1") == "1"

@@ -316,7 +316,9 @@ def test_step_ab_tiny_alternates_the_setting_and_restores_it(tmp_path):
                                              "MOE_GEMV_MAX_N=2, DECODE_SHORT_CHAIN=1"} and report["restored"]
     for args, why in ((["kernels.moe_triton.NO_SUCH=0,1"], "has no NO_SUCH"),
                       (["kernels.moe_triton.MOE_GEMV_MAX_N=0,1", "kernels.moe_triton.MOE_SHARED_EARLY=0,1,0"],
-                       "the same number of values")):
+                       "the same number of values"),
+                      (["kernels.moe_triton.MOE_GEMV_MAX_N=0,1", "kernels.moe_triton.MOE_GEMV_MAX_N=1,0"],
+                       "no two of the same name")):
         cmd = [sys.executable, str(ROOT / "bench" / "step_ab.py"), "--tiny", "--out", str(tmp_path)]
         for a in args:
             cmd += ["--set", a]

@@ -541,7 +541,7 @@ def _checks() -> dict:
             return max(moe_case(1), moe_case(2, mask2), moe_shared_case(2, mask2),
                        moe_shared_case(1, torch.tensor([False]), inter_s=48),
                        moe_shared_case(2, None, inter_s=8), shared_elsewhere_case(1, None, I),
-                       shared_elsewhere_case(2, mask2, 48))
+                       shared_elsewhere_case(2, mask2, 48), shared_elsewhere_case(2, None, 8))
         finally:
             MT.early_reads = real
 
