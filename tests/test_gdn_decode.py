@@ -126,6 +126,14 @@ def case_kernel():
     # HK = HV (no shared q/k channels): BV = DV writes every window directly, BV < DV through the counter
     for bv in (16, 8):
         _compare(errs, f"gqa1/bv{bv}", gdn_decode_triton, [1, 1, 1], [1, 3, 5], True, shape=dict(hk=4), bv=bv)
+    # the delta rule's other order (DECODE_SHORT_CHAIN's other value): the same values
+    import kernels.gdn_decode_triton as gdt
+    gdt.DECODE_SHORT_CHAIN = not gdt.DECODE_SHORT_CHAIN
+    try:
+        for bv in (16, 8):
+            _compare(errs, f"other_order/bv{bv}", gdn_decode_triton, [1, 1, 1], [6, 0, 2], mask, bv=bv)
+    finally:
+        gdt.DECODE_SHORT_CHAIN = not gdt.DECODE_SHORT_CHAIN
     return errs
 
 

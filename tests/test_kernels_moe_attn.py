@@ -535,15 +535,15 @@ def _checks() -> dict:
         # the gate/up's shared programs sum before theirs and check the slot's id after it
         import kernels.moe_triton as MT
 
-        real = MT.early_reads
-        MT.early_reads = lambda device: True
+        real, shared_early = MT.early_reads, MT.MOE_SHARED_EARLY
+        MT.early_reads, MT.MOE_SHARED_EARLY = (lambda device: True), True
         try:
             return max(moe_case(1), moe_case(2, mask2), moe_shared_case(2, mask2),
                        moe_shared_case(1, torch.tensor([False]), inter_s=48),
                        moe_shared_case(2, None, inter_s=8), shared_elsewhere_case(1, None, I),
                        shared_elsewhere_case(2, mask2, 48), shared_elsewhere_case(2, None, 8))
         finally:
-            MT.early_reads = real
+            MT.early_reads, MT.MOE_SHARED_EARLY = real, shared_early
 
     checks["moe_gemv_early_reads"] = gemv_early_case
 
