@@ -56,8 +56,9 @@ EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
 # The output from the old state (e^g S^T qn + (kn . qn) delta: both sums over DK in one pass, then o) instead of
 # S^T qn after the update (the chain's order: o and the state equal up to fp32 rounding), and with NORM 2 every program
 # loads its group's z and norm weight before the counter, so the last one's tail is the counter, o and the norm.
-# HYBRIDSPEC_GDN_DECODE_SHORT=0 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1): as before
-DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "1") == "1"
+# HYBRIDSPEC_GDN_DECODE_SHORT=1 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1) turns it
+# on: off by default until measured on the GPU (built 2026-12-06 with no machine lent; bench/NOTES.md runbook)
+DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "0") == "1"
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _gdn_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr, GP: tl.constexpr,
     NORM: tl.constexpr,  # 0: o unnormalised (norm launched after), 1: in the program (BV == DV), 2: last program
-    SHORT: tl.constexpr = True,  # o from the old state (DECODE_SHORT_CHAIN), else after the update, as the chain
+    SHORT: tl.constexpr = False,  # o from the old state (DECODE_SHORT_CHAIN), else after the update, as the chain
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     if early == 0:

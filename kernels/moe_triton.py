@@ -1026,8 +1026,9 @@ FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many ass
 MOE_GEMV_MAX_N = _env_int("HYBRIDSPEC_MOE_GEMV_MAX_N", 2, 0, 64)
 MOE_GEMV_TILES = (2, 8, 8, 4)
 # In a captured step under PDL the GEMV gate/up's shared-expert programs (launched first) sum before their prologue,
-# while the route runs (the shared weights and x are not the route's). HYBRIDSPEC_MOE_SHARED_EARLY=0: after it (A/B)
-MOE_SHARED_EARLY = _env_int("HYBRIDSPEC_MOE_SHARED_EARLY", 1, 0, 1) == 1
+# while the route runs (the shared weights and x are not the route's). HYBRIDSPEC_MOE_SHARED_EARLY=1 (read at
+# import) turns it on: off by default until measured on the GPU (built 2026-12-06 with no machine lent; runbook)
+MOE_SHARED_EARLY = _env_int("HYBRIDSPEC_MOE_SHARED_EARLY", 0, 0, 1) == 1
 GROUPED_CONFIG_KEYS = frozenset(("block_m", "gate_up", "down", "fuse_align", "fuse_reduce"))
 FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments
 
