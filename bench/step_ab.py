@@ -99,8 +99,8 @@ def main() -> None:
                 if first_tokens is None:
                     first_tokens = res.tokens
                 match = sum(a == b for a, b in zip(res.tokens, first_tokens)) / len(first_tokens)
-                row = {"round": rnd, "config": i, **applied, "step_ms_median": ms, "floor_ms": floor, "over_floor": ms / floor,
-                       "greedy_match_vs_first": match, "wall_s": time.perf_counter() - t0}
+                row = {"round": rnd, "config": i, **applied, "step_ms_median": ms, "floor_ms": floor,
+                       "over_floor": ms / floor, "greedy_match_vs_first": match, "wall_s": time.perf_counter() - t0}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del runner

@@ -4,7 +4,8 @@ Same signature and semantics as kernels/gdn_decode.py (`gdn_decode_ref`: causal 
 update, the gates from the raw a/b projections, q/k L2 norm, one delta-rule step on state[slots], the gated RMSNorm
 of every value head), rounding where the four kernels of the general path round (the conv output, beta and o to
 the activation dtype; the norm as kernels/norm_triton.py); with DECODE_SHORT_CHAIN the delta rule's fp32 sums run in
-another order (o and the new state equal the chain's up to fp32 rounding). Nothing synchronizes with the host (graph-capturable).
+another order (o and the new state equal the chain's up to fp32 rounding). Nothing synchronizes with the host
+(graph-capturable).
 
 A program owns (request b, value head hv, BV-wide value tile vt) and reads its [DK, BV] fp32 state tile once,
 writes it once. Its inputs: the DK q and k channels of its key head hk = hv // G (G = HV / HK), its BV v channels,

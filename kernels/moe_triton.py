@@ -27,8 +27,8 @@ Up to MOE_GEMV_MAX_N tokens (2; HYBRIDSPEC_MOE_GEMV_MAX_N) steps 1-3 are instead
 grouping: `_moe_gemv_gate_up_kernel`, one program per (assignment, BLOCK_I intermediate columns) reading its gate and
 up rows in one tile on the CUDA cores, and `_moe_gemv_down_kernel`, one per (assignment, BLOCK_H output rows), which
 reads its routing and weights before its PDL wait in a captured step (the gate/up's shared-expert programs, launched
-first, read the shared weights and x and sum before theirs: MOE_SHARED_EARLY). At one token the grouped kernels run ~160
-programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB programs. A token has
+first, may read the shared weights and x and sum before theirs: MOE_SHARED_EARLY, off). At one token the grouped
+kernels run ~160 programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB programs. A token has
 distinct experts, so no weight is read twice; at two tokens a shared expert is read twice (from L2 the second
 time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE layer's tail 35.3 ->
 28.2 us at one token, 48.3 -> 38.7 at two, a tie at four.

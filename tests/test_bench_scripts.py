@@ -308,7 +308,8 @@ def test_step_ab_tiny_alternates_the_setting_and_restores_it(tmp_path):
     assert set(report["median_step_ms"]) == {"MOE_GEMV_MAX_N=0", "MOE_GEMV_MAX_N=1"} and report["restored"]
     # two settings moving together: configuration i is each one's i-th value
     run_script("step_ab.py", "--set", "kernels.moe_triton.MOE_GEMV_MAX_N=0,2", "--set",
-               "kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1", "--new", "4", "--rounds", "2", "--out", str(tmp_path))
+               "kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1", "--new", "4", "--rounds", "2",
+               "--out", str(tmp_path))
     report = json.loads((tmp_path / "step_ab.json").read_text())
     assert [(r["config"], r["MOE_GEMV_MAX_N"], r["DECODE_SHORT_CHAIN"]) for r in report["rows"]] == [
         (0, 0, 0), (1, 2, 1), (1, 2, 1), (0, 0, 0)]
