@@ -28,10 +28,10 @@ grouping: `_moe_gemv_gate_up_kernel`, one program per (assignment, BLOCK_I inter
 up rows in one tile on the CUDA cores, and `_moe_gemv_down_kernel`, one per (assignment, BLOCK_H output rows), which
 reads its routing and weights before its PDL wait in a captured step (the gate/up's shared-expert programs, launched
 first, may read the shared weights and x and sum before theirs: MOE_SHARED_EARLY, off). At one token the grouped
-kernels run ~160 programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB programs. A token has
-distinct experts, so no weight is read twice; at two tokens a shared expert is read twice (from L2 the second
-time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE layer's tail 35.3 ->
-28.2 us at one token, 48.3 -> 38.7 at two, a tie at four.
+kernels run ~160 programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB
+programs. A token has distinct experts, so no weight is read twice; at two tokens a shared expert is read twice
+(from L2 the second time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE
+layer's tail 35.3 -> 28.2 us at one token, 48.3 -> 38.7 at two, a tie at four.
 
 The shared expert as one more expert (`shared=` of fused_moe_triton, route_triton(..., shared=True)): id E reads
 the shared expert's own tensors (a base pointer picked per block, `_expert_weights`; its own intermediate size
@@ -717,12 +717,9 @@ def _moe_gemv_gate_up_kernel(
         a = (s % ntok) * TOP_K + (s // ntok + TOP_K - 1) % TOP_K
     else:
         a = s
-    pre = False
     acc_g = tl.zeros([BLOCK_I], tl.float32)
     acc_u = tl.zeros([BLOCK_I], tl.float32)
-    if SHARED:
-        if early != 0:
-            pre = a % TOP_K == TOP_K - 1
+    pre = SHARED and (early != 0) and (a % TOP_K == TOP_K - 1)
     if pre:  # the shared expert's sums before the wait (no store: the allocator's order holds only after it)
         if pid_n * BLOCK_I < I_S:
             acc_g, acc_u = _gate_up_sums(x_ptr, ws_ptr, stride_swn, I_S, (a // TOP_K).to(tl.int64), stride_xn,
@@ -1221,8 +1218,8 @@ def _moe_gemv(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ws_gu: Tensor, ws_dn
     _moe_gemv_gate_up_kernel[(triton.cdiv(inter_max, block_i), nk)](
         x, w_gate_up, ws_gu, h, ids, mask, stats_distinct, stats_counts, stats_flag, nk, ids_total, hidden, inter,
         inter_s, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws_gu.stride(0), h.stride(0),
-        int(shared and shared_early and MOE_SHARED_EARLY and early_reads(dev)),
-        TOP_K=top_k, BLOCK_I=block_i, BLOCK_K=min(triton.next_power_of_2(hidden), 4096), HAS_MASK=has_mask,
+        early=int(shared_early and MOE_SHARED_EARLY and early_reads(dev)), TOP_K=top_k, BLOCK_I=block_i,
+        BLOCK_K=min(triton.next_power_of_2(hidden), 4096), HAS_MASK=has_mask,
         E_P2=triton.next_power_of_2(ids_total + 1), NK_P2=triton.next_power_of_2(max(nk, 16)), SHARED=shared,
         num_warps=warps_i, **pdl_args(dev))
     y = torch.empty(nk, hidden, dtype=x.dtype, device=dev)  # [N*k, H] one row per assignment

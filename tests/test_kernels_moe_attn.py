@@ -319,9 +319,9 @@ def _checks() -> dict:
 
     checks["expert_counts_strided_ids"] = counts_strided_case
 
-    def moe_shared_case(n, mask=None, config=None, hot=None, inter_s=I):
+    def moe_shared_case(n, mask=None, config=None, hot=None, inter_s=I, x_stride=1):
         import torch.nn.functional as F
-        x = torch.randn(n, H)
+        x = torch.randn(n, H * x_stride)[:, ::x_stride]  # (x_stride > 1: a strided view)
         logits = torch.randn(n, E + 1)
         if hot is not None:
             logits[:, hot] += 10.0
@@ -535,15 +535,27 @@ def _checks() -> dict:
         # the gate/up's shared programs sum before theirs and check the slot's id after it
         import kernels.moe_triton as MT
 
-        real, shared_early = MT.early_reads, MT.MOE_SHARED_EARLY
-        MT.early_reads, MT.MOE_SHARED_EARLY = (lambda device: True), True
+        real, shared_early, kernel = MT.early_reads, MT.MOE_SHARED_EARLY, MT._moe_gemv_gate_up_kernel
+        flags = []
+
+        class Spy:  # the gate/up launch's `early`: the shared sums before the wait where x is no copy made just now
+            def __getitem__(self, grid):
+                return lambda *args, **kw: (flags.append(kw["early"]), kernel[grid](*args, **kw))[1]
+
+        MT.early_reads, MT.MOE_SHARED_EARLY, MT._moe_gemv_gate_up_kernel = (lambda device: True), True, Spy()
         try:
+            moe_case(1)  # no shared expert: nothing early
+            moe_shared_case(1)
+            moe_shared_case(1, x_stride=2)  # x a strided view: fused_moe copies it, so the copy is read after the wait
+            if flags != [0, 1, 0]:
+                return f"gate/up early flags {flags} != [0, 1, 0]"
+            MT._moe_gemv_gate_up_kernel = kernel
             return max(moe_case(1), moe_case(2, mask2), moe_shared_case(2, mask2),
                        moe_shared_case(1, torch.tensor([False]), inter_s=48),
                        moe_shared_case(2, None, inter_s=8), shared_elsewhere_case(1, None, I),
                        shared_elsewhere_case(2, mask2, 48), shared_elsewhere_case(2, None, 8))
         finally:
-            MT.early_reads, MT.MOE_SHARED_EARLY = real, shared_early
+            MT.early_reads, MT.MOE_SHARED_EARLY, MT._moe_gemv_gate_up_kernel = real, shared_early, kernel
 
     checks["moe_gemv_early_reads"] = gemv_early_case
 
