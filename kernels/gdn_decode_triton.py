@@ -57,9 +57,11 @@ EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
 # The output from the old state (e^g S^T qn + (kn . qn) delta: both sums over DK in one pass, then o) instead of
 # S^T qn after the update (the chain's order: o and the state equal up to fp32 rounding), and with NORM 2 every program
 # loads its group's z and norm weight before the counter, so the last one's tail is the counter, o and the norm.
-# HYBRIDSPEC_GDN_DECODE_SHORT=1 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1) turns it
-# on: off by default until measured on the GPU (built 2026-12-06 with no machine lent; bench/NOTES.md runbook)
-DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "0") == "1"
+# HYBRIDSPEC_GDN_DECODE_SHORT=0 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1) turns it
+# off. Measured on an H100 (5d8ded4, bench/NOTES.md 2026-12-06 23:28): the kernel alone is no faster (6.28 / 6.47 us a
+# layer at B=1, within the spread between calls); in the B=1 step with moe_triton.MOE_SHARED_EARLY on it was faster
+# than without in both rounds (2.976 against 2.989 / 3.022 ms), and the two together in 6 of 6 rounds against neither
+DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "1") == "1"
 
 
 @triton.jit

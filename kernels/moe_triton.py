@@ -27,7 +27,7 @@ Up to MOE_GEMV_MAX_N tokens (2; HYBRIDSPEC_MOE_GEMV_MAX_N) steps 1-3 are instead
 grouping: `_moe_gemv_gate_up_kernel`, one program per (assignment, BLOCK_I intermediate columns) reading its gate and
 up rows in one tile on the CUDA cores, and `_moe_gemv_down_kernel`, one per (assignment, BLOCK_H output rows), which
 reads its routing and weights before its PDL wait in a captured step (the gate/up's shared-expert programs, launched
-first, may read the shared weights and x and sum before theirs: MOE_SHARED_EARLY, off). At one token the grouped
+first, may read the shared weights and x and sum before theirs: MOE_SHARED_EARLY, on; -1.1 us a layer at one token). At one token the grouped
 kernels run ~160 programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB
 programs. A token has distinct experts, so no weight is read twice; at two tokens a shared expert is read twice
 (from L2 the second time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE
@@ -1023,9 +1023,11 @@ FUSE_ALIGN_MAX_NK = 32  # grouping inside the gate/up kernel up to this many ass
 MOE_GEMV_MAX_N = _env_int("HYBRIDSPEC_MOE_GEMV_MAX_N", 2, 0, 64)
 MOE_GEMV_TILES = (2, 8, 8, 4)
 # In a captured step under PDL the GEMV gate/up's shared-expert programs (launched first) sum before their prologue,
-# while the route runs (the shared weights and x are not the route's). HYBRIDSPEC_MOE_SHARED_EARLY=1 (read at
-# import) turns it on: off by default until measured on the GPU (built 2026-12-06 with no machine lent; runbook)
-MOE_SHARED_EARLY = _env_int("HYBRIDSPEC_MOE_SHARED_EARLY", 0, 0, 1) == 1
+# while the route runs (the shared weights and x are not the route's). HYBRIDSPEC_MOE_SHARED_EARLY=0 (read at
+# import) turns it off. Measured on an H100 (5d8ded4, bench/NOTES.md 2026-12-06 23:28): the MoE tail at one token
+# 26.75 -> 25.62 us (bench/moe_gemv.py); with DECODE_SHORT_CHAIN the AR step at B=1 faster in 6 of 6 rounds
+# (3.008 -> 2.979 ms over four), B=2 unchanged (3.908 / 3.907)
+MOE_SHARED_EARLY = _env_int("HYBRIDSPEC_MOE_SHARED_EARLY", 1, 0, 1) == 1
 GROUPED_CONFIG_KEYS = frozenset(("block_m", "gate_up", "down", "fuse_align", "fuse_reduce"))
 FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments
 

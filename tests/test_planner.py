@@ -1881,7 +1881,7 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
-              "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,)}
+              "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,), "nocap": on[:6] + (16,) + on[7:]}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
@@ -1893,13 +1893,13 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
 
     from workers.policy import DRAFT_WINDOW
     caps = {}
-    for variant in (None, "margin1"):  # the margin reaches the cap the scheduler reserves drafts by
+    for variant in (None, "margin1", "nocap"):  # the margin reaches the cap the scheduler reserves drafts by
         policy = LengthPolicy("hybridspec", cfg)
         if variant:
             policy.ablate(variant)
         policy.planned_max[2] = deque([3] * DRAFT_WINDOW, maxlen=DRAFT_WINDOW)
         caps[variant] = policy.draft_cap(2)
-    assert caps == {None: 3 + DRAFT_MARGIN, "margin1": 4}
+    assert caps == {None: 3 + DRAFT_MARGIN, "margin1": 4, "nocap": 16}  # nocap: every drafted step drafts 16
     gate = LengthPolicy("hybridspec", cfg)
     gate.ablate("plain")
     for draft in (True,) * 3:  # (speculation measured faster: a gate of its own would draft)

@@ -52,7 +52,7 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "noquiet": ("quiet",)}
+             "noquiet": ("quiet",), "nocap": ("cap",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -316,7 +316,8 @@ class LengthPolicy:
         to verify <= 5, bench/NOTES.md 2026-12-04); nowidth: plans price the
         step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
-        path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step). (thinplain, the
+        path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step); nocap: drafts max_verify_len
+        at every drafted step (no cap from its recent plans, as budget drafts). (thinplain, the
         learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06 02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
@@ -333,6 +334,8 @@ class LengthPolicy:
             self.plans_width = False
         if "margin" in parts:
             self.draft_margin = 1
+        if "cap" in parts:
+            self.draft_margin = self.max_verify_len
         if "plain" in parts:
             self.gate.force_plain = True
         if "quiet" in parts:
