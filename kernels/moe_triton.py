@@ -27,11 +27,11 @@ Up to MOE_GEMV_MAX_N tokens (2; HYBRIDSPEC_MOE_GEMV_MAX_N) steps 1-3 are instead
 grouping: `_moe_gemv_gate_up_kernel`, one program per (assignment, BLOCK_I intermediate columns) reading its gate and
 up rows in one tile on the CUDA cores, and `_moe_gemv_down_kernel`, one per (assignment, BLOCK_H output rows), which
 reads its routing and weights before its PDL wait in a captured step (the gate/up's shared-expert programs, launched
-first, may read the shared weights and x and sum before theirs: MOE_SHARED_EARLY, on; -1.1 us a layer at one token). At one token the grouped
-kernels run ~160 programs of 256 KB on 132 SMs (part of them a second wave); the GEMVs run thousands of 16 KB
-programs. A token has distinct experts, so no weight is read twice; at two tokens a shared expert is read twice
-(from L2 the second time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md 2026-12-06 05:14): the MoE
-layer's tail 35.3 -> 28.2 us at one token, 48.3 -> 38.7 at two, a tie at four.
+first, may read the shared weights and x and sum before theirs: MOE_SHARED_EARLY, on; -1.1 us a layer at one token,
+H100). At one token the grouped kernels run ~160 programs of 256 KB on 132 SMs (part of them a second wave); the
+GEMVs run thousands of 16 KB programs. A token has distinct experts, so no weight is read twice; at two tokens a
+shared expert is read twice (from L2 the second time). Measured on an H100 (bench/moe_gemv.py, bench/NOTES.md
+2026-12-06 05:14): the MoE layer's tail 35.3 -> 28.2 us at one token, 48.3 -> 38.7 at two, a tie at four.
 
 The shared expert as one more expert (`shared=` of fused_moe_triton, route_triton(..., shared=True)): id E reads
 the shared expert's own tensors (a base pointer picked per block, `_expert_weights`; its own intermediate size
@@ -1025,8 +1025,8 @@ MOE_GEMV_TILES = (2, 8, 8, 4)
 # In a captured step under PDL the GEMV gate/up's shared-expert programs (launched first) sum before their prologue,
 # while the route runs (the shared weights and x are not the route's). HYBRIDSPEC_MOE_SHARED_EARLY=0 (read at
 # import) turns it off. Measured on an H100 (5d8ded4, bench/NOTES.md 2026-12-06 23:28): the MoE tail at one token
-# 26.75 -> 25.62 us (bench/moe_gemv.py); with DECODE_SHORT_CHAIN the AR step at B=1 faster in 6 of 6 rounds
-# (3.008 -> 2.979 ms over four), B=2 unchanged (3.908 / 3.907)
+# 26.90 -> 25.76 us at the default tiles, at two 40.38 -> 39.42 (bench/moe_gemv.py); with DECODE_SHORT_CHAIN the AR
+# step at B=1 faster in 6 of 6 rounds (3.008 -> 2.979 ms over four), B=2 unchanged (3.908 / 3.907)
 MOE_SHARED_EARLY = _env_int("HYBRIDSPEC_MOE_SHARED_EARLY", 1, 0, 1) == 1
 GROUPED_CONFIG_KEYS = frozenset(("block_m", "gate_up", "down", "fuse_align", "fuse_reduce"))
 FUSE_REDUCE_MAX_NK = 0  # reduction by the down kernel's last program up to this many assignments

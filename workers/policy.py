@@ -316,9 +316,10 @@ class LengthPolicy:
         to verify <= 5, bench/NOTES.md 2026-12-04); nowidth: plans price the
         step's drafting as sunk (budget_plan with the measured overhead), not the block they imply; plain: the gate
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
-        path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step); nocap: drafts max_verify_len
-        at every drafted step (no cap from its recent plans, as budget drafts). (thinplain, the
-        learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06 02:45.)"""
+        path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step); nocap: drafts
+        max_verify_len at every drafted step (no cap from its recent plans, as budget drafts; bench/NOTES.md 2026-12-06
+        23:28 item 2). (thinplain, the learning of plain steps thinned 8x, was measured and removed: no effect,
+        bench/NOTES.md 2026-12-06 02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
