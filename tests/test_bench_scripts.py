@@ -6,7 +6,8 @@ profiler), bench/router_logits.py (the router's two logits kernels) and bench/sm
 norm kernels' warps), bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute),
 bench/gdn_verify2.py (every GDN verification variant's check against the reference), bench/moe_gemv.py (the MoE's
 GEMV tiles against the grouped path), bench/step_ab.py (a setting's A/B on the graphed step); bench/e2e_merge.py (its
-merges, on synthetic results)."""
+merges, on synthetic results); bench/kernels.py (issue 6's table judged against its targets, from earlier runs'
+JSON)."""
 
 from __future__ import annotations
 
@@ -362,3 +363,40 @@ def test_e2e_merge_parts_and_mean_of_runs(tmp_path):
         paths[-1].write_text(json.dumps(part))
     main([str(p) for p in paths] + ["--out", str(tmp_path / "run.json")])
     assert json.loads((tmp_path / "run.json").read_text())["rows"] == merged["rows"]
+
+
+def test_kernels_summary_judges_each_target_from_the_parts_json(tmp_path):
+    """bench/kernels.py (issue 6's one command) summarises its three parts' JSON against the issue's targets: from
+    files of earlier GPU runs (bench/results), a part without a file is `not measured`, an unknown part is named."""
+    res = ROOT / "bench" / "results"
+    gdn = json.loads((res / "kernels_gdn.json").read_text())
+    # a GDN table that has the factored kernel (what bench/kernels_gdn.py writes since 2026-12-02) is judged by it
+    for row in gdn["table"]:
+        row["factored_verify"] = 7.4 if (row["B"], row["T"]) == (1, 16) else 70.0
+    (tmp_path / "gdn.json").write_text(json.dumps(gdn))
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--out", str(tmp_path / "s"),
+                    "--summary-only", str(tmp_path / "gdn.json"), str(res / "kernels_moe_attn.json"),
+                    str(res / "step_profile_40layers_graphs_h100_5d8ded4.json")], check=True, cwd=ROOT,
+                   capture_output=True, timeout=120)
+    rows = {(r["part"], r["case"].split(" (")[0].split(",")[0]): r
+            for r in json.loads((tmp_path / "s" / "kernels_summary.json").read_text())["rows"]}
+    assert rows[("GDN verify", "B=1 T=16")]["verdict"] == "met"  # 7.4 <= 10 us
+    assert rows[("GDN verify", "B=32 T=16")]["verdict"] == "missed"  # 70 > 60 us
+    assert rows[("GDN verify", "B=8 T=4")]["verdict"] == ""  # no target there
+    assert rows[("MoE", "zipf N=1")]["verdict"] == "missed"  # 25.1 / 11.7 us = 2.15x
+    assert rows[("MoE", "zipf N=64")]["verdict"] == "met" and rows[("MoE", "zipf N=272")]["verdict"] == ""
+    assert rows[("AR step", "B=1")]["ours"].startswith("3.025 ms (2.16x floor)")
+    assert rows[("AR step", "B=1")]["verdict"] == "missed"
+    assert any(part == "attention" for part, _ in rows)
+    assert (tmp_path / "s" / "kernels_summary.md").read_text().startswith("| part | case |")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--out", str(tmp_path / "m"),
+                    "--summary-only", "-", "-", "-"], check=True, cwd=ROOT, capture_output=True, timeout=120)
+    verdicts = {r["verdict"] for r in json.loads((tmp_path / "m" / "kernels_summary.json").read_text())["rows"]}
+    assert verdicts == {"not measured"}
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--parts", "gdn,nope", "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "nope" in bad.stderr and "moe_attn" in bad.stderr
+    dry = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--dry-run", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert [line.split()[2].split("/")[-1] for line in dry.stdout.splitlines()] == \
+        ["kernels_gdn.py", "kernels_moe_attn.py", "step_profile.py"]
