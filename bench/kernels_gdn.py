@@ -22,9 +22,14 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import triton
+
+# the repository root first (run as a script, bench/ is sys.path[0]): the packages are the repository's, with or
+# without PYTHONPATH (tests/test_bench_scripts.py checks every script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.conv import causal_conv1d_ref, conv_commit_ref
 from kernels.conv_triton import causal_conv1d_triton, conv_commit_triton

@@ -24,6 +24,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+# the repository root first (run as a script, bench/ is sys.path[0]): the packages are the repository's, with or
+# without PYTHONPATH (tests/test_bench_scripts.py checks every script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TINY = "--tiny" in sys.argv
 if TINY:  # before triton is imported

@@ -6,7 +6,7 @@ profiler), bench/router_logits.py (the router's two logits kernels) and bench/sm
 norm kernels' warps), bench/lm_head.py (the LM head's fp32 logits against the top-4 recompute),
 bench/gdn_verify2.py (every GDN verification variant's check against the reference), bench/moe_gemv.py (the MoE's
 GEMV tiles against the grouped path), bench/step_ab.py (a setting's A/B on the graphed step); bench/e2e_merge.py (its
-merges, on synthetic results); bench/kernels.py (issue 6's table judged against its targets, from earlier runs'
+merges, on synthetic results); bench/kernels_table.py (issue 6's table judged against its targets, from earlier runs'
 JSON)."""
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ def test_e2e_merge_parts_and_mean_of_runs(tmp_path):
 
 
 def test_kernels_summary_judges_each_target_from_the_parts_json(tmp_path):
-    """bench/kernels.py (issue 6's one command) summarises its three parts' JSON against the issue's targets: from
+    """bench/kernels_table.py (issue 6's one command) summarises its three parts' JSON against the issue's targets: from
     files of earlier GPU runs (bench/results), a part without a file is `not measured`, an unknown part is named."""
     res = ROOT / "bench" / "results"
     gdn = json.loads((res / "kernels_gdn.json").read_text())
@@ -374,7 +374,7 @@ def test_kernels_summary_judges_each_target_from_the_parts_json(tmp_path):
     for row in gdn["table"]:
         row["factored_verify"] = 7.4 if (row["B"], row["T"]) == (1, 16) else 70.0
     (tmp_path / "gdn.json").write_text(json.dumps(gdn))
-    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--out", str(tmp_path / "s"),
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--out", str(tmp_path / "s"),
                     "--summary-only", str(tmp_path / "gdn.json"), str(res / "kernels_moe_attn.json"),
                     str(res / "step_profile_40layers_graphs_h100_5d8ded4.json")], check=True, cwd=ROOT,
                    capture_output=True, timeout=120)
@@ -388,15 +388,59 @@ def test_kernels_summary_judges_each_target_from_the_parts_json(tmp_path):
     assert rows[("AR step", "B=1")]["ours"].startswith("3.025 ms (2.16x floor)")
     assert rows[("AR step", "B=1")]["verdict"] == "missed"
     assert any(part == "attention" for part, _ in rows)
+    for part in ("gdn", "moe_attn", "step"):  # each part's own errors and its checks' worst error
+        assert rows[(part, "errors / checks")]["verdict"] in ("ok", "errors")
+    assert "worst check error" in rows[("moe_attn", "errors / checks")]["ours"]
     assert (tmp_path / "s" / "kernels_summary.md").read_text().startswith("| part | case |")
-    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--out", str(tmp_path / "m"),
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--out", str(tmp_path / "m"),
                     "--summary-only", "-", "-", "-"], check=True, cwd=ROOT, capture_output=True, timeout=120)
     verdicts = {r["verdict"] for r in json.loads((tmp_path / "m" / "kernels_summary.json").read_text())["rows"]}
     assert verdicts == {"not measured"}
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--parts", "gdn,nope", "--dry-run"],
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--parts", "gdn,nope", "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "nope" in bad.stderr and "moe_attn" in bad.stderr
-    dry = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--dry-run", "--out", str(tmp_path)],
+    dry = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--dry-run", "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert [line.split()[2].split("/")[-1] for line in dry.stdout.splitlines()] == \
         ["kernels_gdn.py", "kernels_moe_attn.py", "step_profile.py"]
+
+
+def test_kernels_run_reports_a_failed_part_not_an_earlier_runs_numbers(tmp_path):
+    """A part that fails (here kernels_gdn.py on a machine without CUDA) is `not measured` with its exit status,
+    and a JSON an earlier run left in its directory is not summarised (it is removed before the part runs)."""
+    (tmp_path / "gdn").mkdir()
+    (tmp_path / "gdn" / "kernels_gdn.json").write_text(json.dumps({"table": [{"B": 1, "T": 16, "verify": 1.0}]}))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--parts", "gdn", "--out",
+                          str(tmp_path), "--part-timeout-s", "300"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=400, check=True)
+    summary = json.loads((tmp_path / "kernels_summary.json").read_text())
+    assert {r["verdict"] for r in summary["rows"]} == {"not measured"}
+    assert "exit 1" in summary["sources"]["gdn"] and "not asked for" in summary["sources"]["step"]
+    assert not (tmp_path / "gdn" / "kernels_gdn.json").exists()
+    log = (tmp_path / "gdn" / "log.txt").read_text()
+    assert "CUDA" in log and "is not a package" not in log, run.stdout  # it got past its imports (see below)
+
+
+def test_bench_scripts_import_the_repositorys_packages_not_their_neighbours():
+    """Run as a script, a bench file has bench/ as sys.path[0]: every script that imports one of the repository's
+    packages puts the root first, before that import (no bench/ file may stand for a package, and none needs
+    PYTHONPATH), and no bench/ file is named like a package (tests put bench/ on sys.path, and processes they spawn
+    inherit it: a bench/kernels.py broke the expert-parallel tests' gloo ranks)."""
+    import ast
+
+    ours = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() or p.name in ("bench", "kernels")}
+    bad = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        src = path.read_text()
+        if "__main__" not in src:  # a module the scripts import (bench/cell.py), after their own insert
+            continue
+        first = min((node.lineno for node in ast.walk(ast.parse(src))
+                     if isinstance(node, ast.Import) and any(a.name.split(".")[0] in ours for a in node.names)
+                     or isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                     and node.module.split(".")[0] in ours), default=None)
+        insert = next((i for i, line in enumerate(src.splitlines(), 1) if "sys.path.insert(0" in line), None)
+        if first is not None and (insert is None or insert > first):
+            bad.append(f"{path.name}: first import of ours at line {first}, root inserted at {insert}")
+    assert "kernels" in ours and "workers" in ours
+    assert not bad, bad
+    assert not [p.name for p in (ROOT / "bench").glob("*.py") if p.stem in ours]

@@ -318,7 +318,8 @@ class LengthPolicy:
         decodes every measured step plainly (its plain steps against ar's in one cell: what hybridspec's own plain
         path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step); nocap: drafts
         max_verify_len at every drafted step (no cap from its recent plans, as budget drafts; bench/NOTES.md 2026-12-06
-        23:28 item 2). (thinplain, the learning of plain steps thinned 8x, was measured and removed: no effect,
+        23:28 item 2); from the WIDTH_FROM bucket on, width_plan then prices every longest length at that drafting,
+        which is what it drafts. (thinplain, the learning of plain steps thinned 8x, was measured and removed: no effect,
         bench/NOTES.md 2026-12-06 02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")

@@ -1,5 +1,7 @@
 """Issue 6's kernel benchmark in one command on the H200, with its targets:
-    PYTHONPATH=. python bench/kernels.py [--out $OUT] [--parts gdn,moe_attn,step]
+    PYTHONPATH=. python bench/kernels_table.py [--out $OUT] [--parts gdn,moe_attn,step] [--budget-s 540]
+(The issue names it bench/kernels.py: a file of that name stands for the `kernels` package wherever bench/ is on
+sys.path first: in every bench script run directly, and in processes that tests spawn after putting bench/ there.)
 Runs three benchmarks, each in its own process with its output under $OUT/<part>/:
   gdn       bench/kernels_gdn.py precompile checks table: GDN verification (+ commit) at B x T against fla-core's
             fused_recurrent_gated_delta_rule (when importable: ../shared/device/prepare-wheels.sh), bf16 checks first;
@@ -8,8 +10,10 @@ Runs three benchmarks, each in its own process with its output under $OUT/<part>
   step      bench/step_profile.py --layers 40 --modes graphs: one AR decode step of the 40-layer bench model at
             B=1 (and 16), replayed from a CUDA graph, against its floor.
 Then it prints one table against the issue's targets and writes `kernels_summary.json` and `kernels_summary.md`
-to --out. A part that fails or runs past --part-timeout-s is reported as missing (its log under $OUT/<part>/);
-the others still run.
+to --out (rewritten after each part: a command killed at a device's time limit leaves the parts done so far). A
+part that fails or runs past its time (--part-timeout-s, and what is left of --budget-s) is reported as not measured
+with its exit status (its log under $OUT/<part>/; a JSON left by an earlier run is removed first); the others still
+run. Each part's own error list and the worst error of its bf16 checks get a row.
 `--summary-only GDN_JSON MOE_ATTN_JSON STEP_JSON`: only the table, from the three parts' JSON files (a missing
 file: pass `-`). `--dry-run` prints the commands. Every part's own script has more options (sweeps, prefill,
 tiles); bench/NOTES.md records what each measured.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,8 +135,37 @@ def step_rows(report: dict | None) -> list[Row]:
     return rows
 
 
+def _floats(x) -> list[float]:
+    """Every number in a (nested) checks record."""
+    if isinstance(x, bool):
+        return []
+    if isinstance(x, (int, float)):
+        return [float(x)]
+    if isinstance(x, dict):
+        return [f for v in x.values() for f in _floats(v)]
+    if isinstance(x, (list, tuple)):
+        return [f for v in x for f in _floats(v)]
+    return []
+
+
+def health_rows(reports: dict[str, dict | None]) -> list[Row]:
+    """Per part that ran: its own error list (sections that failed) and the worst relative error of its bf16 checks
+    against the PyTorch references."""
+    rows = []
+    for name, report in reports.items():
+        if report is None:
+            continue
+        errors = report.get("errors") or []
+        checks = [f for key in ("checks", "checks_moe", "checks_attn") for f in _floats(report.get(key, {}))]
+        worst = f"worst check error {max(checks):.2e}" if checks else "no checks"
+        rows.append(Row(name, "errors / checks", f"{len(errors)} errors, {worst}", "", "", "no errors",
+                        "errors" if errors else "ok"))
+    return rows
+
+
 def summarize(gdn: dict | None, moe_attn: dict | None, step: dict | None) -> list[Row]:
-    return gdn_rows(gdn) + moe_attn_rows(moe_attn) + step_rows(step)
+    return gdn_rows(gdn) + moe_attn_rows(moe_attn) + step_rows(step) + \
+        health_rows({"gdn": gdn, "moe_attn": moe_attn, "step": step})
 
 
 def markdown(rows: list[Row], sources: dict[str, str]) -> str:
@@ -148,63 +182,92 @@ def _load(path: str | Path | None) -> dict | None:
     return json.loads(Path(path).read_text())
 
 
-def _provenance(report: dict | None, path) -> str:
+def _provenance(report: dict | None, path, status: str = "") -> str:
+    status = f"; {status}" if status else ""
     if report is None:
-        return f"not measured ({path})"
-    return f"{path} (commit {report.get('commit', '?')}, {report.get('gpu') or report.get('device') or '?'})"
+        return f"not measured ({path}{status})"
+    return f"{path} (commit {report.get('commit') or '?'}, {report.get('gpu') or report.get('device') or '?'}{status})"
 
 
-def run_part(name: str, out: Path, timeout_s: float, dry_run: bool) -> Path:
-    """Runs one part in its own process (OUT=out/name); -> the JSON path it writes (absent if it failed)."""
+def run_part(name: str, out: Path, timeout_s: float, dry_run: bool) -> tuple[Path, str]:
+    """Runs one part in its own process group (OUT=out/name); -> (the JSON path it writes, its exit status). The
+    JSON of an earlier run is removed first, so a part that fails is not summarised from stale numbers; on a
+    timeout the whole group goes (kernels_gdn.py's precompile pool included)."""
     argv, json_name = PARTS[name]
     part_out = out / name
     cmd = [sys.executable] + argv + (["--out", str(part_out)] if name == "step" else [])
     if dry_run:
         print(f"OUT={part_out} {' '.join(cmd)}")
-        return part_out / json_name
+        return part_out / json_name, "dry run"
     part_out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OUT=str(part_out), PYTHONPATH=str(ROOT))
+    (part_out / json_name).unlink(missing_ok=True)
+    # the repository first, the caller's PYTHONPATH after it (on the device machine fla-core comes from there)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OUT=str(part_out), PYTHONPATH=path)
     t0 = time.perf_counter()
     with open(part_out / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout_s).returncode
+            status = f"exit {proc.wait(timeout=max(1.0, timeout_s))}"
         except subprocess.TimeoutExpired:
-            rc = "timeout"
-    print(f"[{time.perf_counter() - t0:6.0f}s] {name}: exit {rc}, log {part_out / 'log.txt'}", flush=True)
-    return part_out / json_name
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"killed after {timeout_s:.0f} s"
+    print(f"[{time.perf_counter() - t0:6.0f}s] {name}: {status}, log {part_out / 'log.txt'}", flush=True)
+    return part_out / json_name, status
+
+
+def write_summary(out: Path, paths: dict, statuses: dict[str, str]) -> str:
+    """The table from whatever JSON the parts left (kernels_summary.md / .json under out); -> its text."""
+    reports = {name: _load(paths.get(name, "-")) for name in PARTS}
+    rows = summarize(reports["gdn"], reports["moe_attn"], reports["step"])
+    sources = {name: _provenance(reports[name], paths.get(name, "-"), statuses.get(name, "")) for name in PARTS}
+    text = markdown(rows, sources)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels_summary.md").write_text(text)
+    (out / "kernels_summary.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "sources": sources},
+                                                         indent=1))
+    return text
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
     ap.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
-    ap.add_argument("--part-timeout-s", type=float, default=900.0)
+    ap.add_argument("--part-timeout-s", type=float, default=900.0, help="one part's time limit")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="all parts' time together (0: no limit); a part gets what is left, none once it is spent "
+                    "(a device command may run 600 s: e.g. 540)")
     ap.add_argument("--dry-run", action="store_true", help="print the parts' commands, run nothing")
     ap.add_argument("--summary-only", nargs=3, metavar=("GDN_JSON", "MOE_ATTN_JSON", "STEP_JSON"),
                     help="the table from existing JSON files ('-': not measured), running nothing")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.part_timeout_s <= 0 or args.budget_s < 0:
+        raise SystemExit(f"--part-timeout-s must be > 0 (got {args.part_timeout_s}) and --budget-s >= 0 (got "
+                         f"{args.budget_s}; 0: no limit)")
     if args.summary_only:
-        paths = dict(zip(PARTS, args.summary_only))
-    else:
-        parts = [p for p in args.parts.split(",") if p]
-        unknown = sorted(set(parts) - set(PARTS))
-        if unknown:
-            raise SystemExit(f"--parts: unknown {unknown}; allowed: {', '.join(PARTS)}")
-        paths = {name: run_part(name, out, args.part_timeout_s, args.dry_run) if name in parts else "-"
-                 for name in PARTS}
-        if args.dry_run:
-            return
-    reports = {name: _load(p) for name, p in paths.items()}
-    rows = summarize(reports["gdn"], reports["moe_attn"], reports["step"])
-    sources = {name: _provenance(reports[name], paths[name]) for name in PARTS}
-    text = markdown(rows, sources)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_summary.md").write_text(text)
-    (out / "kernels_summary.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "sources": sources},
-                                                         indent=1))
-    print(text, end="")
+        print(write_summary(out, dict(zip(PARTS, args.summary_only)), {}), end="")
+        return
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise SystemExit(f"--parts: unknown {unknown or 'none given'}; allowed: {', '.join(PARTS)}")
+    t0 = time.perf_counter()
+    paths: dict[str, object] = {}
+    statuses: dict[str, str] = {name: "not asked for (--parts)" for name in PARTS if name not in parts}
+    for name in PARTS:
+        if name not in parts:
+            continue
+        left = args.budget_s - (time.perf_counter() - t0) if args.budget_s else args.part_timeout_s
+        if left < 1.0:
+            statuses[name] = f"not run: --budget-s {args.budget_s:g} spent"
+            continue
+        paths[name], statuses[name] = run_part(name, out, min(args.part_timeout_s, left), args.dry_run)
+        if not args.dry_run:
+            write_summary(out, paths, statuses)
+    if not args.dry_run:
+        print(write_summary(out, paths, statuses), end="")
 
 
 if __name__ == "__main__":
