@@ -59,8 +59,9 @@ EARLY_STATE_READS = os.environ.get("HYBRIDSPEC_GDN_DECODE_EARLY", "1") == "1"
 # loads its group's z and norm weight before the counter, so the last one's tail is the counter, o and the norm.
 # HYBRIDSPEC_GDN_DECODE_SHORT=0 (read at import; step_ab: kernels.gdn_decode_triton.DECODE_SHORT_CHAIN=0,1) turns it
 # off. Measured on an H100 (5d8ded4, bench/NOTES.md 2026-12-06 23:28): the kernel alone is no faster (6.28 / 6.47 us a
-# layer at B=1, within the spread between calls); in the B=1 step with moe_triton.MOE_SHARED_EARLY on it was faster
-# than without in both rounds (2.976 against 2.989 / 3.022 ms), and the two together in 6 of 6 rounds against neither
+# layer at B=1, 3% slower where the four-kernel chain moved 1.7% between the two processes); in the B=1 step with
+# moe_triton.MOE_SHARED_EARLY on it was faster than without in both rounds (2.976 against 2.989 / 3.022 ms), and the two
+# together in 6 of 6 rounds against neither
 DECODE_SHORT_CHAIN = os.environ.get("HYBRIDSPEC_GDN_DECODE_SHORT", "1") == "1"
 
 
