@@ -178,9 +178,14 @@ def markdown(rows: list[Row], sources: dict[str, str]) -> str:
 
 
 def _load(path: str | Path | None) -> dict | None:
+    """A part's JSON; None where it left none (or a part killed mid-write left one that does not parse)."""
     if path is None or str(path) == "-" or not Path(path).is_file():
         return None
-    return json.loads(Path(path).read_text())
+    try:
+        report = json.loads(Path(path).read_text())
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def _provenance(report: dict | None, path, status: str = "") -> str:
@@ -248,6 +253,9 @@ def main() -> None:
         raise SystemExit(f"--part-timeout-s must be > 0 (got {args.part_timeout_s}) and --budget-s >= 0 (got "
                          f"{args.budget_s}; 0: no limit)")
     if args.summary_only:
+        missing = [p for p in args.summary_only if p != "-" and not Path(p).is_file()]
+        if missing:
+            raise SystemExit(f"--summary-only: no such file {missing} (a part not measured: '-')")
         print(write_summary(out, dict(zip(PARTS, args.summary_only)), {}), end="")
         return
     parts = [p for p in args.parts.split(",") if p]

@@ -396,6 +396,14 @@ def test_kernels_summary_judges_each_target_from_the_parts_json(tmp_path):
                     "--summary-only", "-", "-", "-"], check=True, cwd=ROOT, capture_output=True, timeout=120)
     verdicts = {r["verdict"] for r in json.loads((tmp_path / "m" / "kernels_summary.json").read_text())["rows"]}
     assert verdicts == {"not measured"}
+    (tmp_path / "cut.json").write_text('{"table": [')  # a part killed mid-write: not measured, not a crash
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--out", str(tmp_path / "c"),
+                    "--summary-only", str(tmp_path / "cut.json"), "-", "-"], check=True, cwd=ROOT,
+                   capture_output=True, timeout=120)
+    gone = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--summary-only",
+                           str(tmp_path / "nope.json"), "-", "-"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert gone.returncode != 0 and "nope.json" in gone.stderr
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_table.py"), "--parts", "gdn,nope", "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "nope" in bad.stderr and "moe_attn" in bad.stderr
