@@ -119,7 +119,7 @@ def _gdn_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr, GP: tl.constexpr,
     NORM: tl.constexpr,  # 0: o unnormalised (norm launched after), 1: in the program (BV == DV), 2: last program
-    SHORT: tl.constexpr = False,  # o from the old state (DECODE_SHORT_CHAIN), else after the update, as the chain
+    SHORT: tl.constexpr,  # o from the old state (DECODE_SHORT_CHAIN), else after the update, as the chain
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     if early == 0:

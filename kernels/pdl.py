@@ -17,9 +17,8 @@ PDL a kernel is launched with `launch_pdl=True` and may be scheduled while the k
   kernel before a kernel waited for its own predecessor before letting it launch, only the immediately preceding
   kernel can still be running there: such a read is safe for data that kernel does not write. In a captured step
   the weights (and the caches derived from them) were written before the capture began and the decode follows its
-  layer's input projection; a launcher that copies a weight first (a
-  non-contiguous one) reads it after the wait. Eager launches read everything after the wait (a weight cache may
-  have been built by the kernel just before);
+  layer's input projection; a launcher that copies a weight first (a non-contiguous one) reads it after the wait.
+  Eager launches read everything after the wait (a weight cache may have been built by the kernel just before);
 - the second launch of the factored GDN verification (gdn_verify_triton.py) reads its state tile before its
   prologue in every launch, eager ones too: the kernel before it is always its own first launch, which writes no
   state, so by the argument above every earlier write of the state is complete.
