@@ -462,9 +462,9 @@ def main() -> None:
                          "acceptance ~ Beta(mean acceptance), the confidence reports it (workers/drafters.py)")
     ap.add_argument("--replay-concentration", type=float, default=2.0, help="Beta concentration (beta confidence)")
     ap.add_argument("--replay-draws", default="auto", choices=("auto",) + REPLAY_DRAWS,
-                    help="common: a draft's right/wrong fixed per (request, position), the same for every policy "
-                         "(common random numbers; noise confidence only); stream: drawn in turn; auto: common "
-                         "with noise confidence, stream with beta")
+                    help="common: a draft's right/wrong (and with beta its p and confidence) fixed per (request, "
+                         "position), the same for every policy (common random numbers); stream: drawn in turn; "
+                         "auto: common")
 
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every policy per cell, in alternating order, ar among them when > 1 (a row sums "
@@ -481,10 +481,7 @@ def main() -> None:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if "ar" in args.policies.split(","):
         ap.error("--policies: ar always runs (it is every cell's reference); list the others")
-    draws = args.replay_draws if args.replay_draws != "auto" else \
-        ("common" if args.replay_confidence == "noise" else "stream")
-    if draws == "common" and args.replay_confidence != "noise":  # (before any cell runs)
-        ap.error("--replay-draws common needs --replay-confidence noise")
+    draws = args.replay_draws if args.replay_draws != "auto" else "common"
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)

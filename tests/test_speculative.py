@@ -533,7 +533,7 @@ def test_replay_drafter_confidence_models():
 def test_replay_drafter_common_draws_fix_each_positions_outcome():
     """draws='common': the draft for position t of a request is right or wrong whatever was drawn before (two
     policies drafting different lengths meet the same outcomes), at the acceptance rate overall, with
-    uninformative confidences; other requests get other outcomes; beta confidences refuse it."""
+    uninformative confidences; other requests get other outcomes."""
     from workers.drafters import DraftRequest, ReplayDrafter
 
     ref = list(range(1, 3001))
@@ -557,8 +557,41 @@ def test_replay_drafter_common_draws_fix_each_positions_outcome():
     assert outcomes(a, "r1", 10, 200)[0] != right_a[:200]  # another request: other outcomes
     with pytest.raises(ValueError, match="replay draws must be one of"):
         ReplayDrafter(0.7, 10, draws="crn")
-    with pytest.raises(ValueError, match="needs confidence='noise'"):
-        ReplayDrafter(0.7, 10, confidence="beta", draws="common")
+
+
+def test_replay_drafter_common_draws_with_beta_confidences():
+    """draws='common' with beta confidences: a position's p, its outcome and its confidence are the same whatever
+    was drafted before and however the drafts were split into steps (chunk boundaries included), the mean
+    acceptance holds, confidences stay informative (right drafts more confident), and another request or seed
+    meets other draws."""
+    from workers.drafters import DraftRequest, ReplayDrafter
+
+    ref = list(range(1, 3001))
+
+    def draft(d, rid, start, k):
+        prop = d.propose([DraftRequest(rid, [0] + ref[:start], start + 1, [], 0, k, SamplingParams())])
+        return [t == r for t, r in zip(prop.tokens[0], ref[start:])], prop.confidence[0]
+
+    a = ReplayDrafter(0.7, 5000, seed=3, confidence="beta", draws="common")
+    b = ReplayDrafter(0.7, 5000, seed=3, confidence="beta", draws="common")
+    for d in (a, b):
+        d.set_reference([0], ref)
+    a.COMMON_CHUNK = b.COMMON_CHUNK = 64  # small chunks: the long draft crosses many boundaries
+    draft(b, "r0", 0, 7)
+    right_a, conf_a = draft(a, "r0", 10, 2500)
+    parts = [draft(b, "r0", s, k) for s, k in ((10, 16), (26, 50), (76, 1), (77, 2433))]
+    assert right_a == sum((p[0] for p in parts), [])
+    assert conf_a == sum((p[1] for p in parts), [])
+    b.release(["r0"])  # a released request's tables are rebuilt the same
+    assert draft(b, "r0", 100, 300) == (right_a[90:390], conf_a[90:390])
+    assert abs(sum(right_a) / len(right_a) - 0.7) < 0.03
+    mean_right = sum(c for c, ok in zip(conf_a, right_a) if ok) / sum(right_a)
+    mean_wrong = sum(c for c, ok in zip(conf_a, right_a) if not ok) / (len(right_a) - sum(right_a))
+    assert mean_right > mean_wrong + 0.2, (mean_right, mean_wrong)
+    assert draft(a, "r1", 10, 200)[1] != conf_a[:200]
+    other = ReplayDrafter(0.7, 5000, seed=4, confidence="beta", draws="common")
+    other.set_reference([0], ref)
+    assert draft(other, "r0", 10, 200)[1] != conf_a[:200]
 
 
 def test_hybridspec_asks_the_drafter_only_for_its_draft_cap(reference, monkeypatch):

@@ -148,10 +148,14 @@ class ReplayDrafter(Drafter):
     (mean `acceptance`; smaller concentration = more spread), confidence = p + N(0, noise): an informative,
     calibrated-up-to-noise confidence, as a real drafter's probability of its token is (easy tokens near 1,
     hard ones low).
-    draws="common" (noise confidence only): whether the draft for position t of a request is right is fixed by
-    (seed, request id, t), not by the order of the random stream: every policy run on the same requests meets
-    the same right and wrong drafts at the same positions (common random numbers), so policies compare without
-    the luck of their own draws (with "stream", one run's mean accepted length moves by ~5% at 2k tokens)."""
+    draws="common": whether the draft for position t of a request is right is fixed by (seed, request id, t),
+    not by the order of the random stream: every policy run on the same requests meets the same right and wrong
+    drafts at the same positions (common random numbers), so policies compare without the luck of their own
+    draws (with "stream", one run's mean accepted length moves by ~5% at 2k tokens). With beta confidences the
+    token's p and its confidence's noise are fixed by (seed, request id, t) too (drawn per request in chunks of
+    COMMON_CHUNK positions from a generator seeded by the request's key and the chunk's index)."""
+
+    COMMON_CHUNK = 1024
 
     name = "replay"
 
@@ -166,8 +170,6 @@ class ReplayDrafter(Drafter):
             raise ValueError(f"replay concentration must be > 0, got {concentration}")
         if draws not in REPLAY_DRAWS:
             raise ValueError(f"replay draws must be one of {REPLAY_DRAWS}, got {draws!r}")
-        if draws == "common" and confidence != "noise":
-            raise ValueError("replay draws='common' needs confidence='noise' (beta draws each token's p in turn)")
         self.draws, self.seed = draws, seed
         self.acceptance, self.vocab, self.noise = acceptance, vocab_size, noise
         self.confidence, self.concentration = confidence, concentration
@@ -177,6 +179,8 @@ class ReplayDrafter(Drafter):
         # request -> [prompt length, reference continuation, output tokens checked against it] (None: no reference)
         self._matched: dict[str, list | None] = {}
         self._keys: dict[str, int] = {}  # request -> its common-draws key
+        # draws="common", beta: request -> chunk index -> ([COMMON_CHUNK] p, [COMMON_CHUNK] N(0, 1) noise)
+        self._beta_chunks: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self.cost_model = cost_model
         self.reads_back = cost_model is not None
 
@@ -211,6 +215,7 @@ class ReplayDrafter(Drafter):
         for rid in request_ids:
             self._matched.pop(rid, None)
             self._keys.pop(rid, None)
+            self._beta_chunks.pop(rid, None)
 
     def _token_acceptance(self) -> float:
         a = self.acceptance
@@ -225,10 +230,29 @@ class ReplayDrafter(Drafter):
                                                   ^ (self.seed * 0x9E3779B97F4A7C15 & _MASK64))
         return key
 
+    def _beta_common(self, request_id: str, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """draws="common", beta: ([n] p, [n] standard normal noise) of a request's positions first .. first + n - 1,
+        each fixed by (seed, request id, position): chunk c of COMMON_CHUNK positions comes from a generator
+        seeded by (request key, c), whatever was asked before."""
+        chunks = self._beta_chunks.setdefault(request_id, {})
+        key, size = self._request_key(request_id), self.COMMON_CHUNK
+        a, c = self.acceptance * self.concentration, (1.0 - self.acceptance) * self.concentration
+        ps, zs = [], []
+        for ci in range(first // size, (first + n - 1) // size + 1):
+            if ci not in chunks:
+                g = np.random.default_rng([key, ci])
+                chunks[ci] = (g.beta(a, c, size) if 0.0 < self.acceptance < 1.0 else np.full(size, self.acceptance),
+                              g.standard_normal(size))
+            lo, hi = max(first, ci * size) - ci * size, min(first + n, (ci + 1) * size) - ci * size
+            ps.append(chunks[ci][0][lo:hi])
+            zs.append(chunks[ci][1][lo:hi])
+        return np.concatenate(ps), np.concatenate(zs)
+
     def _propose_common(self, requests: list[DraftRequest]) -> tuple[list[list[int]], list[list[float]]]:
         """draws="common" for every draft of the step at once (numpy): the draft at position t of a request is
-        right iff mix(key, t) < acceptance, a wrong one is the reference token + 1 + mix(mix(key, t)) mod (V - 1);
-        the confidences are acceptance + N(0, noise) from the drafter's own stream."""
+        right iff mix(key, t) < p (noise: p = acceptance; beta: the position's own p, _beta_common), a wrong one
+        is the reference token + 1 + mix(mix(key, t)) mod (V - 1); the confidences are p + N(0, noise) (noise:
+        from the drafter's own stream, as they carry nothing; beta: the position's own noise)."""
         aheads = [self._reference_for(r.request_id, r.token_ids, r.k) or [] for r in requests]
         lens = [len(a) for a in aheads]
         n = sum(lens)
@@ -239,11 +263,17 @@ class ReplayDrafter(Drafter):
         starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)  # [n] each draft's request's first flat index
         pos = (first + np.arange(n) - starts).astype(np.uint64)  # [n] absolute positions
         x = _mix64_np(keys ^ (pos * np.uint64(0xD1B54A32D192ED03)))  # [n]
-        right = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < self.acceptance
+        if self.confidence == "beta":
+            tables = [self._beta_common(r.request_id, len(r.token_ids), m) for r, m in zip(requests, lens) if m]
+            p = np.concatenate([t[0] for t in tables])  # [n]
+            noise = np.concatenate([t[1] for t in tables]) * self.noise  # [n]
+        else:
+            p, noise = self.acceptance, self.np_rng.normal(0.0, self.noise, n)
+        right = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < p
         ref = np.fromiter(itertools.chain.from_iterable(aheads), np.int64, count=n)
         wrong = (ref + 1 + (_mix64_np(x) % np.uint64(self.vocab - 1)).astype(np.int64)) % self.vocab
         toks = np.where(right, ref, wrong).tolist()
-        conf = np.clip(self.acceptance + self.np_rng.normal(0.0, self.noise, n), 0.0, 1.0).tolist()
+        conf = np.clip(p + noise, 0.0, 1.0).tolist()
         bounds = np.cumsum([0] + lens).tolist()
         return ([toks[lo:hi] for lo, hi in zip(bounds, bounds[1:])],
                 [conf[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
