@@ -452,3 +452,38 @@ def test_bench_scripts_import_the_repositorys_packages_not_their_neighbours():
     assert "kernels" in ours and "workers" in ours
     assert not bad, bad
     assert not [p.name for p in (ROOT / "bench").glob("*.py") if p.stem in ours]
+
+
+def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_information(tmp_path):
+    """bench/length_bound.py: the oracle (it knows each draft's p) is >= every fixed length, equals the best fixed
+    length when every p is the same (noise: nothing to adapt to), gains with informative p (beta), and its
+    confidence rule is never above it; the script prints the table and writes the JSON; a bad curve names the
+    flag."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import length_bound as lb
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    curve = {1: 3.0, 5: 6.5, 9: 7.4, 17: 8.3}
+    for kind, acc in (("noise", 0.85), ("noise", 0.7), ("beta", 0.85), ("beta", 0.5)):
+        r = lb.bound(curve, kind, acc, steps=4000)
+        fixed = {k: r[k] for k in ["ar"] + [f"fixed{k}" for k in range(1, 17)]}
+        assert r["oracle"] >= max(fixed.values()) - 1e-9, (kind, acc, r)
+        assert r["confidence"] <= r["oracle"] + 1e-9
+        if kind == "noise":
+            assert r["oracle"] >= 1.0 - 1e-9  # L = 0 (plain decoding) is one of its choices
+            assert r["oracle_over_best_fixed"] == pytest.approx(1.0), r
+        else:
+            assert r["oracle_over_best_fixed"] > 1.05, r
+    # the rates themselves: fixed16 at acceptance a yields (1 + sum_j a^j) tokens in T(17)
+    r = lb.bound(curve, "noise", 0.85, steps=200)
+    assert r["fixed16"] == pytest.approx((1 + sum(0.85 ** j for j in range(1, 17))) / 8.3 * 3.0)
+    out = tmp_path / "bound.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "length_bound.py"), "--curve", "1:3,5:6.5,17:8.3",
+                          "--acceptance", "0.85", "--steps", "500", "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "| beta | 0.85 |" in res.stdout and len(json.loads(out.read_text())["rows"]) == 2
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "length_bound.py"), "--curve", "5:6.5,17:8.3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--curve needs tokens >= 1 including 1" in bad.stderr

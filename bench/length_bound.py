@@ -1,0 +1,169 @@
+"""How much any choice of verification lengths can gain at concurrency 1, given the measured step times.
+CPU only, seconds:
+    PYTHONPATH=. python bench/length_bound.py --from-e2e bench/results/e2e_c1_beta_h100_5d8ded4.json
+    PYTHONPATH=. python bench/length_bound.py --curve 1:2.8,5:6.11,9:6.9,17:7.3 [--acceptance 0.7,0.85]
+
+At c=1 a step that verifies n = L + 1 tokens takes T(n) ms (n = 1: a plain decode step) and yields the accepted
+drafts + 1 tokens. The curve T comes from an e2e JSON (each c=1 row's `step_ms_by_tokens`, the steps' median at
+each token count, weighted over rows; ar gives n = 1) or from --curve, and is interpolated linearly in n.
+
+The replay drafter's model (workers/drafters.py): draft j is right with probability p_j, independently, and the
+step keeps drafts up to the first wrong one. noise: p_j = acceptance; beta: p_j ~ Beta(acceptance * c,
+(1 - acceptance) * c). Each step starts at fresh positions (a wrong draft's position gets the target's token), so
+steps are independent draws and the long-run rate of a length rule is E[tokens] / E[ms] (renewal reward). Rules:
+- fixedK: L = K every step (K = 0: ar; best fixed: the best K of 0..16);
+- oracle: knows every p_j of the step and picks L maximizing E[tokens | p] - rate * T(L + 1), at the rate that
+  this rule itself reaches (Dinkelbach's iteration): the best any rule can do that sees no outcome ahead;
+- confidence: the same rule on the drafter's confidences (p_j + N(0, noise), clipped), as a calibrated planner
+  would see them.
+The table gives each rule's tokens/ms relative to ar (1 / T(1)) and oracle / best fixed, confidence / fixed16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MAX_DRAFTS = 16
+
+
+def curve_from_e2e(rows: list[dict]) -> dict[int, float]:
+    """{tokens per step: median step ms} of the c=1 rows (each token count's medians weighted by their steps)."""
+    acc: dict[int, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.get("concurrency") != 1:
+            continue
+        for n, (steps, ms) in (r.get("step_ms_by_tokens") or {}).items():
+            acc.setdefault(int(n), []).append((int(steps), float(ms)))
+    curve = {n: sum(s * m for s, m in v) / sum(s for s, _ in v) for n, v in acc.items() if sum(s for s, _ in v) >= 20}
+    if 1 not in curve:
+        raise ValueError("the e2e JSON has no c=1 step of one token (an ar row): T(1) is unknown")
+    if len(curve) < 2:
+        raise ValueError("the e2e JSON's c=1 rows give fewer than two token counts with >= 20 steps")
+    return curve
+
+
+def parse_curve(text: str) -> dict[int, float]:
+    curve = {}
+    for part in text.split(","):
+        try:
+            n, ms = part.split(":")
+            curve[int(n)] = float(ms)
+        except ValueError:
+            raise ValueError(f"--curve: expected tokens:ms pairs like 1:2.8,17:7.3, got {part!r}") from None
+    if 1 not in curve or len(curve) < 2 or min(curve) < 1 or min(curve.values()) <= 0:
+        raise ValueError(f"--curve needs tokens >= 1 including 1 and at least two points, ms > 0; got {text!r}")
+    return curve
+
+
+def step_ms(curve: dict[int, float], max_drafts: int = MAX_DRAFTS) -> np.ndarray:
+    """[max_drafts + 1] T(L + 1) for L = 0..max_drafts, interpolated (flat past the last measured count)."""
+    xs = sorted(curve)
+    return np.interp(np.arange(1, max_drafts + 2, dtype=np.float64), xs, [curve[x] for x in xs])
+
+
+def draws(kind: str, acceptance: float, concentration: float, noise: float, steps: int,
+          rng: np.random.Generator, max_drafts: int = MAX_DRAFTS) -> tuple[np.ndarray, np.ndarray]:
+    """([steps, max_drafts] true p, [steps, max_drafts] confidence)."""
+    if kind == "noise" or acceptance in (0.0, 1.0):
+        p = np.full((steps, max_drafts), acceptance)
+    elif kind == "beta":
+        p = rng.beta(acceptance * concentration, (1.0 - acceptance) * concentration, (steps, max_drafts))
+    else:
+        raise ValueError(f"kind must be noise or beta, got {kind!r}")
+    return p, np.clip(p + rng.normal(0.0, noise, p.shape), 0.0, 1.0)
+
+
+def expected_tokens(p: np.ndarray) -> np.ndarray:
+    """[steps, max_drafts + 1] E[accepted + 1] of L = 0..max_drafts drafts: 1 + the survivals' running sum."""
+    surv = np.cumprod(p, axis=1)
+    return 1.0 + np.concatenate([np.zeros((p.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
+
+
+def best_rule_rate(true_tokens: np.ndarray, seen_tokens: np.ndarray, ms: np.ndarray,
+                   iters: int = 100) -> tuple[float, float]:
+    """(tokens per ms, mean L) of the rule L = argmax seen_tokens - rate * T at its own rate (Dinkelbach; the
+    rate it reaches is measured on true_tokens)."""
+    rows = np.arange(true_tokens.shape[0])
+    rate = true_tokens[:, 0].mean() / ms[0]
+    for _ in range(iters):
+        L = np.argmax(seen_tokens - rate * ms[None, :], axis=1)
+        new = true_tokens[rows, L].sum() / ms[L].sum()
+        if abs(new - rate) < 1e-12:
+            break
+        rate = new
+    return float(rate), float(L.mean())
+
+
+def bound(curve: dict[int, float], kind: str, acceptance: float, concentration: float = 2.0, noise: float = 0.1,
+          steps: int = 20000, seed: int = 0) -> dict:
+    """Every rule's tokens/ms relative to ar at one acceptance."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    ms = step_ms(curve)
+    p, conf = draws(kind, acceptance, concentration, noise, steps, np.random.default_rng(seed))
+    true_tokens, seen_tokens = expected_tokens(p), expected_tokens(conf)
+    ar = 1.0 / ms[0]
+    out = {"ar": 1.0, **{f"fixed{k}": float(true_tokens[:, k].mean() / ms[k]) / ar for k in range(1, MAX_DRAFTS + 1)}}
+    oracle, oracle_len = best_rule_rate(true_tokens, true_tokens, ms)
+    seen, seen_len = best_rule_rate(true_tokens, seen_tokens, ms)
+    best_fixed = max((k for k in out), key=out.get)
+    out.update(oracle=oracle / ar, oracle_mean_len=oracle_len, confidence=seen / ar, confidence_mean_len=seen_len,
+               best_fixed=best_fixed)
+    out["oracle_over_best_fixed"] = out["oracle"] / out[best_fixed]
+    out["oracle_over_fixed16"] = out["oracle"] / out["fixed16"]
+    out["confidence_over_fixed16"] = out["confidence"] / out["fixed16"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-e2e", help="an e2e JSON whose c=1 rows give T(n)")
+    src.add_argument("--curve", help="tokens:ms pairs, e.g. 1:2.8,5:6.11,9:6.9,17:7.3")
+    ap.add_argument("--acceptance", default="0.5,0.7,0.85,0.95")
+    ap.add_argument("--kinds", default="noise,beta")
+    ap.add_argument("--concentration", type=float, default=2.0)
+    ap.add_argument("--noise", type=float, default=0.1)
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    try:
+        if args.from_e2e:
+            try:
+                rows = json.loads(Path(args.from_e2e).read_text())["rows"]
+            except (OSError, KeyError, json.JSONDecodeError) as e:
+                raise ValueError(f"--from-e2e: cannot read an e2e JSON's rows from {args.from_e2e}: {e!r}") from None
+            curve = curve_from_e2e(rows)
+        else:
+            curve = parse_curve(args.curve)
+        accs = [float(a) for a in args.acceptance.split(",")]
+        kinds = args.kinds.split(",")
+        if args.steps < 100 or args.concentration <= 0 or args.noise < 0:
+            raise ValueError(f"--steps must be >= 100 (got {args.steps}), --concentration > 0 (got "
+                             f"{args.concentration}), --noise >= 0 (got {args.noise})")
+        rows = [dict(kind=k, acceptance=a, **bound(curve, k, a, args.concentration, args.noise, args.steps))
+                for k in kinds for a in accs]
+    except ValueError as e:
+        ap.error(str(e))
+    print("T(n) ms:", ", ".join(f"{n}: {curve[n]:.2f}" for n in sorted(curve)))
+    print("| confidence | acc | fixed4 | fixed8 | fixed16 | best fixed | oracle (mean L) | confidence rule (mean L) "
+          "| oracle / best fixed | oracle / fixed16 | confidence / fixed16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['acceptance']} | {r['fixed4']:.2f} | {r['fixed8']:.2f} | {r['fixed16']:.2f} | "
+              f"{r['best_fixed']} {r[r['best_fixed']]:.2f} | {r['oracle']:.2f} ({r['oracle_mean_len']:.1f}) | "
+              f"{r['confidence']:.2f} ({r['confidence_mean_len']:.1f}) | {r['oracle_over_best_fixed']:.3f} | "
+              f"{r['oracle_over_fixed16']:.3f} | {r['confidence_over_fixed16']:.3f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"curve": curve, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
