@@ -60,7 +60,7 @@ from scheduler.calibration import clip_unit, pad_rows
 from scheduler.latency_model import (ExpertEstimator, Footprint, LatencyCoefs, ModelTokenCost, PlanCost,
                                      StepComposition, TokenCostTable)
 
-__all__ = ["Plan", "PlanCost", "budget_plan", "expected_goodput", "fixed_lengths", "item_costs_ms", "plan_host",
+__all__ = ["Plan", "PlanCost", "budget_plan", "check_rate", "expected_goodput", "fixed_lengths", "item_costs_ms", "plan_host",
            "plan_with_experts", "survival_from_acceptance"]
 
 _MIN_ITEM_MS = 1e-9  # marginal costs are clamped to this so ratios are defined
@@ -173,6 +173,19 @@ def plan_host(survival: Sequence[Sequence[float]], caps: Sequence[int], cost: Pl
     return Plan(lengths, gain, ms)
 
 
+def check_rate(rate: float | None) -> None:
+    """A plan at a long-run rate R (tokens per ms) maximizes expected tokens - R x step ms, not the step's own
+    ratio. Steps of a stream are alike draws (renewal reward): the long-run goodput of a rule is E[tokens] /
+    E[ms], and its best rule is the one maximizing E[tokens - R* ms] at the best goodput R* (Dinkelbach; a plan
+    at the goodput its own plans reach converges to R*). The step's ratio instead adds drafts while they beat
+    this step's average, which its sunk costs (drafting, the step's fixed forward) lower: it verifies too long
+    in steps whose drafts look weak and too short in steps whose drafts look strong. bench/length_bound.py:
+    with informative confidences at c=1/0.85 the ratio's plans verify ~12 drafts, the rate's ~9, +4% tokens/ms
+    (H100 step costs); with identical drafts both rules plan the same."""
+    if rate is not None and not (rate > 0.0 and rate < float("inf")):
+        raise ValueError(f"rate must be a finite goodput > 0 tokens per ms, got {rate!r}")
+
+
 def fixed_lengths(caps: Sequence[int], k: int) -> list[int]:
     """The `fixed` policy: every request verifies min(k, cap_i)."""
     return [max(0, min(k, int(c))) for c in caps]
@@ -180,31 +193,38 @@ def fixed_lengths(caps: Sequence[int], k: int) -> list[int]:
 
 def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[int],
                 table: TokenCostTable | ModelTokenCost, base_tokens: int, base_gain: float | None = None,
-                draft_ms: float = 0.0) -> Plan:
+                draft_ms: float = 0.0, rate: float | None = None) -> Plan:
     """The `budget` baseline (vLLM adaptive verification): choose one batch-wide draft-token budget b
     maximizing (base_gain + sum of the b highest survival scores) / (draft_ms + cost(base_tokens + b)) with a
     token-count-only cost table, and give the b tokens to the highest survival scores (a prefix per request,
     since survival is non-increasing in j). step_ms in the result is the table's estimate.
     For any cost that depends on the step's token count only (a ModelTokenCost: the latency model when every
     request routes by global popularity) the b highest scores are the best b drafts, so this search is exact.
+    rate (tokens per ms, > 0; hybridspec's): b maximizes gain - rate x (draft_ms + cost) instead, the step's
+    share of the long-run goodput at that rate (see check_rate); the ratio is then not what is maximized.
 
     survival: [B][K_i] lists or a float array [B, K]. Scores rank by (-s_ij, i, j); of equal ratios the
     smallest budget wins. From _BUDGET_NUMPY_MIN drafts on (or for an array) the search runs in numpy, with the
     loop's arithmetic (the costs from table.costs_array where the table has one, else table.costs_ms)."""
+    check_rate(rate)
     if isinstance(survival, np.ndarray) and survival.size < _BUDGET_NUMPY_MIN:
         survival = survival.tolist()  # (a few drafts: the loop)
     if isinstance(survival, np.ndarray) or sum(len(row) for row in survival) >= _BUDGET_NUMPY_MIN:
-        plan = _budget_plan_numpy(survival, caps, table, base_tokens, base_gain, draft_ms)
+        plan = _budget_plan_numpy(survival, caps, table, base_tokens, base_gain, draft_ms, rate)
         if plan is not None:
             return plan
     caps = _clip_caps(survival, caps)
     items = sorted((-float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap))  # best first
     gain0 = float(len(survival)) if base_gain is None else float(base_gain)
     costs = table.costs_ms(base_tokens, base_tokens + len(items))
-    best_b, best_r, gain = 0, gain0 / (draft_ms + costs[0]), gain0
+
+    def score(g: float, den: float) -> float:
+        return g / den if rate is None else g - rate * den
+
+    best_b, best_r, gain = 0, score(gain0, draft_ms + costs[0]), gain0
     for b, (neg_s, _, _) in enumerate(items, start=1):
         gain -= neg_s
-        r = gain / (draft_ms + costs[b])
+        r = score(gain, draft_ms + costs[b])
         if r > best_r:
             best_b, best_r = b, r
     lengths = [0] * len(survival)
@@ -217,7 +237,7 @@ def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence
 
 def _budget_plan_numpy(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[int],
                        table: TokenCostTable | ModelTokenCost, base_tokens: int, base_gain: float | None,
-                       draft_ms: float) -> Plan | None:
+                       draft_ms: float, rate: float | None = None) -> Plan | None:
     """budget_plan's search vectorized; None where NaN ratios leave the choice to the loop."""
     B = len(survival)
     if len(caps) != B:
@@ -243,7 +263,7 @@ def _budget_plan_numpy(survival: Sequence[Sequence[float]] | np.ndarray, caps: S
     den = draft_ms + costs  # [N + 1]
     if not den.all():
         raise ZeroDivisionError("float division by zero")
-    ratio = gains / den
+    ratio = gains / den if rate is None else gains - rate * den
     best = int(ratio.argmax())  # the first maximum: the loop's strict `r > best_r`
     if ratio[best] != ratio[best]:  # (argmax stops at a NaN)
         return None
@@ -255,7 +275,8 @@ def _budget_plan_numpy(survival: Sequence[Sequence[float]] | np.ndarray, caps: S
 
 def width_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[int],
                table: TokenCostTable | ModelTokenCost, base_tokens: int,
-               width_ms: Sequence[float] | np.ndarray, base_gain: float | None = None) -> tuple[Plan, int]:
+               width_ms: Sequence[float] | np.ndarray, base_gain: float | None = None,
+               rate: float | None = None) -> tuple[Plan, int]:
     """budget_plan's search with one more choice: the step's longest verification length c = 1..C, where a plan
     whose lengths are all <= c pays width_ms[c] ms beyond the forward (C = len(width_ms) - 1). The drafter's
     block per request follows the longest lengths recent plans chose, and its forward scales with the block:
@@ -267,7 +288,8 @@ def width_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[
     For each c the best plan is budget_plan's over the drafts at positions j < c (the highest survival scores
     of those, a prefix per request), so the search is exact for a token-count-only cost: [C, N] running sums
     over the scores sorted once, O(C B K). Ties: the smallest c, then the fewest tokens. Returns the plan (its
-    step_ms: width_ms[c] + the forward's cost) and c."""
+    step_ms: width_ms[c] + the forward's cost) and c. rate: as budget_plan's (gain - rate x ms is maximized)."""
+    check_rate(rate)
     B = len(survival)
     if len(caps) != B:
         raise ValueError(f"caps ({len(caps)}) and survival ({B}) must have one entry per request")
@@ -299,8 +321,12 @@ def width_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[
     den0 = over[:, 0] + costs[0]
     if not den0.all() or not (over + costs[counts]).all():
         raise ZeroDivisionError("float division by zero")
-    ratio[:, 0] = gain0 / den0
-    ratio[:, 1:] = np.where(taken, gains / (over + costs[counts]), -np.inf)
+    if rate is None:
+        ratio[:, 0] = gain0 / den0
+        ratio[:, 1:] = np.where(taken, gains / (over + costs[counts]), -np.inf)
+    else:  # (the name stays: the score maximized)
+        ratio[:, 0] = gain0 - rate * den0
+        ratio[:, 1:] = np.where(taken, gains - rate * (over + costs[counts]), -np.inf)
     ratio[np.isnan(ratio)] = -np.inf  # (a NaN score or cost is never chosen; argmax would stop at it)
     best = int(np.argmax(ratio))  # row-major: the smallest c, then the fewest tokens
     ci, p = divmod(best, len(s) + 1)

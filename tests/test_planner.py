@@ -1274,28 +1274,86 @@ def test_speculation_gate_is_off_under_expert_parallelism():
 def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
     """hybridspec maximizes the goodput of the whole step: a drafted step's measured time beyond the forward
     (drafting, planning, acceptance) is paid whatever the lengths, so a larger overhead makes longer blocks
-    worth it; the overhead is learned per batch-size bucket from whole steps and forwards."""
+    worth it; the overhead is learned per batch-size bucket from whole steps and forwards. Both objectives: each
+    step's own ratio (the ratio ablation) at once, and the goodput its recent plans expect (the default) once its
+    rate has settled (every step alike here, so both land on the best fixed length)."""
     from workers.policy import LengthPolicy
 
     cfg = _moe_config(num_experts=8, top_k=2)
-    policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
-    policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
     survival = [[0.6 ** (j + 1) for j in range(8)]]
-    short = policy._plan_hybridspec(survival, [8], [1], [100])
-    assert policy.step_overhead_ms(1) == 0.0
-    for _ in range(40):
-        policy.observe_outcome(1, True, 3, step_ms=12.0, forward_ms=5.0)  # 7 ms beyond the forward
-        policy.observe_outcome(1, False, 1, step_ms=5.0, forward_ms=4.5)  # plain steps teach nothing here
-    assert policy.step_overhead_ms(1) == pytest.approx(7.0, rel=0.02)
-    policy.observe_outcome(16, True, 40, step_ms=30.0, forward_ms=20.0)  # bucket 16: 10 ms beyond the forward
-    assert policy.step_overhead_ms(2) == policy.step_overhead_ms(1)  # the nearest bucket measured
-    assert policy.step_overhead_ms(12) == pytest.approx(10.0)
-    long = policy._plan_hybridspec(survival, [8], [1], [100])
-    assert long[0] > short[0], (short, long)
 
     def rate(lengths, overhead):
         return (1 + sum(survival[0][:lengths[0]])) / (overhead + 4.0 + 0.3 * (1 + lengths[0]))
-    assert rate(long, 7.0) >= max(rate([k], 7.0) for k in range(9)) * (1 - 1e-12)
+
+    for ratio in (True, False):
+        policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
+        if ratio:
+            policy.ablate("ratio")
+        policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
+        for _ in range(1 if ratio else 200):  # (the rate: plans at the goodput of the plans before them)
+            short = policy._plan_hybridspec(survival, [8], [1], [100])
+        assert rate(short, 0.0) >= max(rate([k], 0.0) for k in range(9)) * (1 - 1e-9)
+        assert policy.step_overhead_ms(1) == 0.0
+        for _ in range(40):
+            policy.observe_outcome(1, True, 3, step_ms=12.0, forward_ms=5.0)  # 7 ms beyond the forward
+            policy.observe_outcome(1, False, 1, step_ms=5.0, forward_ms=4.5)  # plain steps teach nothing here
+        assert policy.step_overhead_ms(1) == pytest.approx(7.0, rel=0.02)
+        policy.observe_outcome(16, True, 40, step_ms=30.0, forward_ms=20.0)  # bucket 16: 10 ms beyond the forward
+        assert policy.step_overhead_ms(2) == policy.step_overhead_ms(1)  # the nearest bucket measured
+        assert policy.step_overhead_ms(12) == pytest.approx(10.0)
+        for _ in range(1 if ratio else 200):
+            long = policy._plan_hybridspec(survival, [8], [1], [100])
+        assert long[0] > short[0], (ratio, short, long)
+        assert rate(long, 7.0) >= max(rate([k], 7.0) for k in range(9)) * (1 - 1e-9)
+        assert (policy.plan_rate.get(1) is None) == ratio
+
+
+def test_hybridspec_plans_at_its_goodput_not_each_steps_ratio():
+    """Steps whose drafts look strong or weak alternate: at the goodput its plans reach, hybridspec verifies
+    longer in the strong steps and shorter in the weak ones than each step's own ratio would, and its expected
+    tokens per ms over the stream beat the ratio's (and every fixed length's); the ratio ablation plans as
+    budget_plan does without a rate."""
+    from scheduler.latency_model import TokenCostTable
+    from workers.policy import LengthPolicy
+
+    cfg = _moe_config(num_experts=8, top_k=2)
+    strong = [[0.9 ** (j + 1) for j in range(16)]]
+    weak = [[0.9 * 0.6 ** j for j in range(16)]]
+    # a c=1 step: 4 ms fixed once drafting (1 ms of it the overhead), 0.3 ms a verified token
+    table = TokenCostTable(list(range(1, 18)), [3.0 + 0.3 * (n - 1) for n in range(1, 18)])
+
+    def serve(ratio: bool) -> tuple[float, dict]:
+        policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+        if ratio:
+            policy.ablate("ratio")
+        policy.step_cost = lambda tokens, contexts, max_tokens: table
+        policy.step_overhead_ms = lambda batch_size: 1.0
+        tokens = ms = 0.0
+        lengths = {}
+        for step in range(400):
+            surv = strong if step % 2 else weak
+            L = policy._plan_hybridspec(surv, [16], [1], [100])[0]
+            if step >= 200:  # (settled)
+                tokens += 1 + sum(surv[0][:L])
+                ms += 1.0 + table.step_ms[L]
+                lengths["strong" if step % 2 else "weak"] = L
+        return tokens / ms, lengths
+
+    at_rate, rate_lengths = serve(False)
+    at_ratio, ratio_lengths = serve(True)
+    assert rate_lengths["strong"] > ratio_lengths["strong"] and rate_lengths["weak"] < ratio_lengths["weak"], \
+        (rate_lengths, ratio_lengths)
+    assert at_rate > at_ratio * 1.005, (at_rate, at_ratio)
+    fixed = max((2 + sum(strong[0][:k]) + sum(weak[0][:k])) / (2 * (1.0 + table.step_ms[k])) for k in range(17))
+    assert at_rate > fixed
+    plain = budget_plan(weak, [16], table, 1, draft_ms=1.0)
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
+    policy.ablate("ratio")
+    policy.step_cost = lambda tokens, contexts, max_tokens: table
+    policy.step_overhead_ms = lambda batch_size: 1.0
+    assert policy._plan_hybridspec(weak, [16], [1], [100]) == plain.lengths
+    with pytest.raises(ValueError, match="rate must be a finite goodput > 0"):
+        budget_plan(weak, [16], table, 1, rate=0.0)
 
 
 def test_the_plans_whole_step_prediction_error_is_reported():
@@ -1876,19 +1934,21 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     cfg = _moe_config()
     from workers.policy import DRAFT_MARGIN
 
-    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, True)
+    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, True)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
-              "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,), "nocap": on[:6] + (16,) + on[7:]}
+              "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,) + on[8:],
+              "nocap": on[:6] + (16,) + on[7:], "ratio": on[:8] + (False,)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
-                policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain) == parts, variant
+                policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain, policy.plans_at_rate) == parts, \
+            variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW

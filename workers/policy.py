@@ -52,7 +52,7 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "noquiet": ("quiet",), "nocap": ("cap",)}
+             "noquiet": ("quiet",), "nocap": ("cap",), "ratio": ("rate",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -101,6 +101,10 @@ WIDTH_EVERY = 8
 # HYBRIDSPEC_WIDTH_FROM (a power of two >= 1; 1: width_plan at every bucket, as before 3a915b1) for A/B measurement
 WIDTH_FROM = width_from()
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
+# hybridspec plans at the goodput its own recent plans expect (planner.check_rate): per batch-size bucket, the
+# EWMAs of the plans' expected tokens per request and of their predicted ms, this weight a plan; a bucket's first
+# plan maximizes its own ratio
+RATE_ALPHA = 0.1
 # the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan's and the
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
 # time a step at c=1 on a CPU core (bench/NOTES.md)
@@ -280,6 +284,11 @@ class LengthPolicy:
         self.draft_costs: dict[int, DraftCost] = {}
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
+        # hybridspec: plans maximize expected tokens - R x ms at the goodput R its recent plans expect (per
+        # batch-size bucket: [EWMA of expected tokens per request, EWMA of predicted ms]); the ratio ablation
+        # maximizes each step's own ratio, as budget does
+        self.plans_at_rate = True
+        self.plan_rate: dict[int, list[float]] = {}
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
         # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
         self.quiet_plain = True
@@ -319,7 +328,8 @@ class LengthPolicy:
         path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step); nocap: drafts
         max_verify_len at every drafted step (no cap from its recent plans, as budget drafts; bench/NOTES.md 2026-12-06
         23:28 item 2); from the WIDTH_FROM bucket on, width_plan then prices every longest length at that drafting,
-        which is what it drafts. (thinplain, the learning of plain steps thinned 8x, was measured and removed: no effect,
+        which is what it drafts; ratio: each plan maximizes its step's expected tokens over its ms (budget's
+        objective), not expected tokens - R x ms at its recent plans' goodput R (planner.check_rate). (thinplain, the learning of plain steps thinned 8x, was measured and removed: no effect,
         bench/NOTES.md 2026-12-06 02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
@@ -342,6 +352,8 @@ class LengthPolicy:
             self.gate.force_plain = True
         if "quiet" in parts:
             self.quiet_plain = False
+        if "rate" in parts:
+            self.plans_at_rate = False
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -598,6 +610,7 @@ class LengthPolicy:
         overhead is priced as sunk (so too below the WIDTH_FROM bucket)."""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         b = SpeculationGate.bucket(len(tokens))
+        rate = self._plan_rate(b, len(tokens))
         choice = self._width_choice.get(b)
         width_ms = None
         # a choice is made again after WIDTH_EVERY plans, or at once where the last one took every draft there
@@ -605,20 +618,23 @@ class LengthPolicy:
         if choice is None or choice.plans >= WIDTH_EVERY or (choice.censored and max(caps, default=0) > choice.c):
             width_ms = self._width_overheads(b, caps)
         if width_ms is not None:  # the longest length chosen with the drafting it implies (width_plan)
-            plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms)
+            plan, c = width_plan(survival, caps, cost, sum(tokens), width_ms, rate=rate)
             self._width_choice[b] = WidthChoice(c, width_ms[c], censored=c >= max(caps))
         elif choice is not None and self.plans_width and self._draft_now is not None and b in self.rest_overhead_ms:
             # between choices: budget_plan's search within the chosen longest length, at its overhead (priced with
             # the batch size and rest of the step that chose it: the next choice re-prices both)
             c = choice.c
             choice.plans += 1
-            plan = budget_plan(survival, [min(x, c) for x in caps], cost, sum(tokens), draft_ms=choice.overhead_ms)
+            plan = budget_plan(survival, [min(x, c) for x in caps], cost, sum(tokens), draft_ms=choice.overhead_ms,
+                               rate=rate)
         else:
             c = None
             # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
             # blocks worth more than the forward alone says
-            plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)))
+            plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)),
+                               rate=rate)
             predicted = plan.step_ms
+        self._learn_plan_rate(b, len(tokens), plan)
         if c is not None:
             # this step drafted what it drafted: its prediction has the measured drafting, not the chosen width's
             predicted = plan.step_ms - self._width_choice[b].overhead_ms + self.rest_overhead_ms[b] + self._draft_now
@@ -629,6 +645,27 @@ class LengthPolicy:
         self.planned_max.setdefault(b, deque(maxlen=DRAFT_WINDOW)).append(max(plan.lengths, default=0))
         self._draft_caps.pop(b, None)
         return plan.lengths
+
+    def _plan_rate(self, bucket: int, batch_size: int) -> float | None:
+        """The goodput (tokens per ms) this bucket's plans aim at: what its recent plans expect, scaled to this
+        batch size (None: its first plan, or the ratio ablation)."""
+        ewma = self.plan_rate.get(bucket) if self.plans_at_rate else None
+        if ewma is None or not ewma[1] > 0.0 or not ewma[0] > 0.0:
+            return None
+        return batch_size * ewma[0] / ewma[1]
+
+    def _learn_plan_rate(self, bucket: int, batch_size: int, plan: Plan) -> None:
+        """A plan's expected tokens per request and ms under its search's own costs (the whole step's, as the
+        search priced it) into the bucket's EWMAs (_plan_rate)."""
+        if not self.plans_at_rate or not plan.step_ms > 0.0 or batch_size <= 0:
+            return
+        tok = plan.expected_tokens / batch_size
+        ewma = self.plan_rate.get(bucket)
+        if ewma is None:
+            self.plan_rate[bucket] = [tok, plan.step_ms]
+        else:
+            ewma[0] += RATE_ALPHA * (tok - ewma[0])
+            ewma[1] += RATE_ALPHA * (plan.step_ms - ewma[1])
 
     def _width_overheads(self, bucket: int, caps: list[int]) -> list[float] | None:
         """[C + 1] for width_plan (C: the longest cap of the step): the overhead of a drafted step whose plans
