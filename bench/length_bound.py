@@ -14,9 +14,12 @@ steps are independent draws and the long-run rate of a length rule is E[tokens] 
 - fixedK: L = K every step (K = 0: ar; best fixed: the best K of 0..16);
 - oracle: knows every p_j of the step and picks L maximizing E[tokens | p] - rate * T(L + 1), at the rate that
   this rule itself reaches (Dinkelbach's iteration): the best any rule can do that sees no outcome ahead;
-- confidence: the same rule on the drafter's confidences (p_j + N(0, noise), clipped), as a calibrated planner
-  would see them.
-The table gives each rule's tokens/ms relative to ar (1 / T(1)) and oracle / best fixed, confidence / fixed16.
+- rate: the same rule on the drafter's confidences (p_j + N(0, noise), clipped) as an ideally calibrated planner
+  sees them (E[p | confidence], binned on the same draws): hybridspec's objective (planner.check_rate);
+- ratio: each step's own ratio E[tokens] / T(L + 1) maximized on the same calibrated confidences: budget's
+  objective (and hybridspec's before 4d13581).
+The table gives each rule's tokens/ms relative to ar (1 / T(1)), the mean L of the adaptive rules, and oracle / best
+fixed, oracle / fixed16, rate / fixed16, rate / ratio.
 """
 
 from __future__ import annotations
@@ -86,6 +89,14 @@ def expected_tokens(p: np.ndarray) -> np.ndarray:
     return 1.0 + np.concatenate([np.zeros((p.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
 
 
+def calibrated(p: np.ndarray, conf: np.ndarray, bins: int = 50) -> np.ndarray:
+    """E[p | confidence] of each draft, binned over all the draws: an ideally calibrated planner's acceptance."""
+    idx = np.minimum((conf * bins).astype(np.intp), bins - 1)  # [steps, K]
+    sums = np.bincount(idx.ravel(), weights=p.ravel(), minlength=bins)
+    counts = np.bincount(idx.ravel(), minlength=bins)
+    return (sums / np.maximum(counts, 1))[idx]
+
+
 def best_rule_rate(true_tokens: np.ndarray, seen_tokens: np.ndarray, ms: np.ndarray,
                    iters: int = 100) -> tuple[float, float]:
     """(tokens per ms, mean L) of the rule L = argmax seen_tokens - rate * T at its own rate (Dinkelbach; the
@@ -108,17 +119,20 @@ def bound(curve: dict[int, float], kind: str, acceptance: float, concentration: 
         raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
     ms = step_ms(curve)
     p, conf = draws(kind, acceptance, concentration, noise, steps, np.random.default_rng(seed))
-    true_tokens, seen_tokens = expected_tokens(p), expected_tokens(conf)
+    true_tokens, seen_tokens = expected_tokens(p), expected_tokens(calibrated(p, conf))
     ar = 1.0 / ms[0]
     out = {"ar": 1.0, **{f"fixed{k}": float(true_tokens[:, k].mean() / ms[k]) / ar for k in range(1, MAX_DRAFTS + 1)}}
-    oracle, oracle_len = best_rule_rate(true_tokens, true_tokens, ms)
-    seen, seen_len = best_rule_rate(true_tokens, seen_tokens, ms)
     best_fixed = max((k for k in out), key=out.get)
-    out.update(oracle=oracle / ar, oracle_mean_len=oracle_len, confidence=seen / ar, confidence_mean_len=seen_len,
-               best_fixed=best_fixed)
+    oracle, oracle_len = best_rule_rate(true_tokens, true_tokens, ms)
+    rate, rate_len = best_rule_rate(true_tokens, seen_tokens, ms)
+    L = np.argmax(seen_tokens / ms[None, :], axis=1)  # [steps] each step's own best ratio
+    ratio = float(true_tokens[np.arange(steps), L].sum() / ms[L].sum())
+    out.update(oracle=oracle / ar, oracle_mean_len=oracle_len, rate=rate / ar, rate_mean_len=rate_len,
+               ratio=ratio / ar, ratio_mean_len=float(L.mean()), best_fixed=best_fixed)
     out["oracle_over_best_fixed"] = out["oracle"] / out[best_fixed]
     out["oracle_over_fixed16"] = out["oracle"] / out["fixed16"]
-    out["confidence_over_fixed16"] = out["confidence"] / out["fixed16"]
+    out["rate_over_fixed16"] = out["rate"] / out["fixed16"]
+    out["rate_over_ratio"] = out["rate"] / out["ratio"]
     return out
 
 
@@ -153,14 +167,15 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     print("T(n) ms:", ", ".join(f"{n}: {curve[n]:.2f}" for n in sorted(curve)))
-    print("| confidence | acc | fixed4 | fixed8 | fixed16 | best fixed | oracle (mean L) | confidence rule (mean L) "
-          "| oracle / best fixed | oracle / fixed16 | confidence / fixed16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| confidence | acc | fixed4 | fixed8 | fixed16 | best fixed | oracle (mean L) | rate (mean L) | ratio (mean L) "
+          "| oracle / best fixed | oracle / fixed16 | rate / fixed16 | rate / ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['acceptance']} | {r['fixed4']:.2f} | {r['fixed8']:.2f} | {r['fixed16']:.2f} | "
               f"{r['best_fixed']} {r[r['best_fixed']]:.2f} | {r['oracle']:.2f} ({r['oracle_mean_len']:.1f}) | "
-              f"{r['confidence']:.2f} ({r['confidence_mean_len']:.1f}) | {r['oracle_over_best_fixed']:.3f} | "
-              f"{r['oracle_over_fixed16']:.3f} | {r['confidence_over_fixed16']:.3f} |")
+              f"{r['rate']:.2f} ({r['rate_mean_len']:.1f}) | {r['ratio']:.2f} ({r['ratio_mean_len']:.1f}) | "
+              f"{r['oracle_over_best_fixed']:.3f} | {r['oracle_over_fixed16']:.3f} | {r['rate_over_fixed16']:.3f} | "
+              f"{r['rate_over_ratio']:.3f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"curve": curve, "rows": rows}, indent=1))
 

@@ -456,8 +456,9 @@ def test_bench_scripts_import_the_repositorys_packages_not_their_neighbours():
 
 def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_information(tmp_path):
     """bench/length_bound.py: the oracle (it knows each draft's p) is >= every fixed length, equals the best fixed
-    length when every p is the same (noise: nothing to adapt to), gains with informative p (beta), and its
-    confidence rule is never above it; the script prints the table and writes the JSON; a bad curve names the
+    length when every p is the same (noise: nothing to adapt to), gains with informative p (beta); the rules on
+    calibrated confidences (rate: hybridspec's objective, ratio: budget's) are never above it, plan alike without
+    information and differ with it (the rate ahead); the script prints the table and writes the JSON; a bad curve names the
     flag."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
@@ -469,12 +470,15 @@ def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_info
         r = lb.bound(curve, kind, acc, steps=4000)
         fixed = {k: r[k] for k in ["ar"] + [f"fixed{k}" for k in range(1, 17)]}
         assert r["oracle"] >= max(fixed.values()) - 1e-9, (kind, acc, r)
-        assert r["confidence"] <= r["oracle"] + 1e-9
+        assert r["rate"] <= r["oracle"] + 1e-9 and r["ratio"] <= r["oracle"] + 1e-9
         if kind == "noise":
+            assert r["rate"] == pytest.approx(r["ratio"], rel=2e-3)  # calibrated: every draft alike, one plan
             assert r["oracle"] >= 1.0 - 1e-9  # L = 0 (plain decoding) is one of its choices
             assert r["oracle_over_best_fixed"] == pytest.approx(1.0), r
         else:
             assert r["oracle_over_best_fixed"] > 1.05, r
+            if acc == 0.85:  # strong and weak steps: the rate plans longer and shorter than the ratio, and gains
+                assert r["rate_over_ratio"] > 1.01 and r["rate_mean_len"] < r["ratio_mean_len"], r
     # the rates themselves: fixed16 at acceptance a yields (1 + sum_j a^j) tokens in T(17)
     r = lb.bound(curve, "noise", 0.85, steps=200)
     assert r["fixed16"] == pytest.approx((1 + sum(0.85 ** j for j in range(1, 17))) / 8.3 * 3.0)
