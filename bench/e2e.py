@@ -517,6 +517,7 @@ def main() -> None:
                       "max_new": max_new_of, "routing": "zipf", "graphs": use_graphs, "decisive_logits": True,
                       "startup_profile": bool(args.profile), "freeze_heap": bool(args.freeze_heap), "replay_confidence": args.replay_confidence,
                       "replay_concentration": args.replay_concentration, "replay_draws": draws,
+                      "replay_common_chunk": ReplayDrafter.COMMON_CHUNK,
                       "drafter": "replay (DFlash-shaped cost: "
                       f"{args.drafter_layers} layers at hidden {cfg.hidden_size}, one forward of the drafted block)"}
     for conc in concurrencies:

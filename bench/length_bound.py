@@ -1,25 +1,35 @@
 """How much any choice of verification lengths can gain at concurrency 1, given the measured step times.
 CPU only, seconds:
-    PYTHONPATH=. python bench/length_bound.py --from-e2e bench/results/e2e_c1_beta_h100_5d8ded4.json
+    PYTHONPATH=. python bench/length_bound.py --from-e2e bench/results/e2e_c1_beta_ablation_h100_5d8ded4.json
     PYTHONPATH=. python bench/length_bound.py --curve 1:2.8,5:6.11,9:6.9,17:7.3 [--acceptance 0.7,0.85]
 
 At c=1 a step that verifies n = L + 1 tokens takes T(n) ms (n = 1: a plain decode step) and yields the accepted
-drafts + 1 tokens. The curve T comes from an e2e JSON (each c=1 row's `step_ms_by_tokens`, the steps' median at
-each token count, weighted over rows; ar gives n = 1) or from --curve, and is interpolated linearly in n.
+drafts + 1 tokens. The curve T comes from an e2e JSON (its c=1 rows' `step_ms_by_tokens`, the steps' median at
+each token count, weighted over rows with >= 20 steps there: T(1) from ar's rows, T(n >= 2) from the fixed-length
+policies' rows, whose steps carry no planning; with --rows all, the token counts those lack from the other
+policies' rows, whose steps include their planning) or from --curve, and is interpolated linearly in n.
 
 The replay drafter's model (workers/drafters.py): draft j is right with probability p_j, independently, and the
 step keeps drafts up to the first wrong one. noise: p_j = acceptance; beta: p_j ~ Beta(acceptance * c,
 (1 - acceptance) * c). Each step starts at fresh positions (a wrong draft's position gets the target's token), so
 steps are independent draws and the long-run rate of a length rule is E[tokens] / E[ms] (renewal reward). Rules:
 - fixedK: L = K every step (K = 0: ar; best fixed: the best K of 0..16);
+The adaptive rules below see a step's drafts only once it has drafted, so they choose L >= 1 (a drafted step
+verifying none would still pay the drafting, which the curve does not separate) and the better of that and ar is
+reported (no mix of plain and drafted steps beats both):
 - oracle: knows every p_j of the step and picks L maximizing E[tokens | p] - rate * T(L + 1), at the rate that
   this rule itself reaches (Dinkelbach's iteration): the best any rule can do that sees no outcome ahead;
 - rate: the same rule on the drafter's confidences (p_j + N(0, noise), clipped) as an ideally calibrated planner
   sees them (E[p | confidence], binned on the same draws): hybridspec's objective (planner.check_rate);
 - ratio: each step's own ratio E[tokens] / T(L + 1) maximized on the same calibrated confidences: budget's
   objective (and hybridspec's before 4d13581).
-The table gives each rule's tokens/ms relative to ar (1 / T(1)), the mean L of the adaptive rules, and oracle / best
-fixed, oracle / fixed16, rate / fixed16, rate / ratio.
+The table gives each rule's tokens/ms relative to ar (1 / T(1)), the mean L of the adaptive rules (0: ar was
+better), and oracle / best fixed, oracle / fixed16, rate / fixed16, rate / ratio.
+What bounds what: the oracle bounds every rule that decides a step's lengths from that step's drafts, under the
+replay drafter's draws="stream" (each draft's p drawn afresh). With draws="common" (e2e's default) a position keeps
+its p across steps: a rule that stops before a weak position has the target fill it (the bonus token), and its next
+step's positions are those a long-sighted choice saw ahead, so steps are not independent there; the numbers are
+then the one-step model's, not a strict bound.
 """
 
 from __future__ import annotations
@@ -36,19 +46,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MAX_DRAFTS = 16
 
 
-def curve_from_e2e(rows: list[dict]) -> dict[int, float]:
-    """{tokens per step: median step ms} of the c=1 rows (each token count's medians weighted by their steps)."""
+def curve_from_e2e(rows: list[dict], fill_from_all: bool = False) -> dict[int, float]:
+    """{tokens per step: median step ms} of the c=1 rows (each token count's medians weighted by their steps):
+    n = 1 from ar's rows, n >= 2 from fixedK rows (steps without planning); fill_from_all: the counts >= 2 those
+    lack from the other policies' rows too. Raises ValueError naming what is missing or malformed."""
     acc: dict[int, list[tuple[int, float]]] = {}
+    extra: dict[int, list[tuple[int, float]]] = {}
+    if not isinstance(rows, list):
+        raise ValueError(f"--from-e2e: 'rows' must be a list of result rows, got {type(rows).__name__}")
     for r in rows:
-        if r.get("concurrency") != 1:
+        if not isinstance(r, dict) or r.get("concurrency") != 1:
             continue
-        for n, (steps, ms) in (r.get("step_ms_by_tokens") or {}).items():
-            acc.setdefault(int(n), []).append((int(steps), float(ms)))
-    curve = {n: sum(s * m for s, m in v) / sum(s for s, _ in v) for n, v in acc.items() if sum(s for s, _ in v) >= 20}
+        policy = str(r.get("policy", ""))
+        planned = policy != "ar" and not policy.startswith("fixed")
+        if planned and not fill_from_all:
+            continue
+        by_tokens = r.get("step_ms_by_tokens") or {}
+        try:
+            points = [(int(n), int(v[0]), float(v[1])) for n, v in by_tokens.items()]
+        except (TypeError, ValueError, IndexError, AttributeError):
+            raise ValueError(f"--from-e2e: row {policy!r}: step_ms_by_tokens must map tokens to [steps, ms], got "
+                             f"{by_tokens!r:.200}") from None
+        for n, steps, ms in points:
+            if (n == 1) == (policy == "ar") and steps > 0 and 0.0 < ms < float("inf"):
+                (extra if planned else acc).setdefault(n, []).append((steps, ms))
+
+    def medians(points: dict[int, list[tuple[int, float]]]) -> dict[int, float]:
+        return {n: sum(s * m for s, m in v) / sum(s for s, _ in v) for n, v in points.items()
+                if sum(s for s, _ in v) >= 20}
+
+    curve = {**medians(extra), **medians(acc)}  # (fixed rows' counts win)
     if 1 not in curve:
-        raise ValueError("the e2e JSON has no c=1 step of one token (an ar row): T(1) is unknown")
+        raise ValueError("--from-e2e: no c=1 ar row with >= 20 steps: T(1) is unknown")
     if len(curve) < 2:
-        raise ValueError("the e2e JSON's c=1 rows give fewer than two token counts with >= 20 steps")
+        raise ValueError("--from-e2e: the c=1 fixed-length rows give no token count >= 2 with >= 20 steps")
     return curve
 
 
@@ -60,8 +91,10 @@ def parse_curve(text: str) -> dict[int, float]:
             curve[int(n)] = float(ms)
         except ValueError:
             raise ValueError(f"--curve: expected tokens:ms pairs like 1:2.8,17:7.3, got {part!r}") from None
-    if 1 not in curve or len(curve) < 2 or min(curve) < 1 or min(curve.values()) <= 0:
-        raise ValueError(f"--curve needs tokens >= 1 including 1 and at least two points, ms > 0; got {text!r}")
+    if 1 not in curve or len(curve) < 2 or min(curve) < 1 or \
+            not all(0.0 < ms < float("inf") for ms in curve.values()):
+        raise ValueError(f"--curve needs tokens >= 1 including 1 and at least two points, ms finite and > 0; got "
+                         f"{text!r}")
     return curve
 
 
@@ -74,12 +107,12 @@ def step_ms(curve: dict[int, float], max_drafts: int = MAX_DRAFTS) -> np.ndarray
 def draws(kind: str, acceptance: float, concentration: float, noise: float, steps: int,
           rng: np.random.Generator, max_drafts: int = MAX_DRAFTS) -> tuple[np.ndarray, np.ndarray]:
     """([steps, max_drafts] true p, [steps, max_drafts] confidence)."""
+    if kind not in ("noise", "beta"):
+        raise ValueError(f"kind must be noise or beta, got {kind!r}")
     if kind == "noise" or acceptance in (0.0, 1.0):
         p = np.full((steps, max_drafts), acceptance)
-    elif kind == "beta":
-        p = rng.beta(acceptance * concentration, (1.0 - acceptance) * concentration, (steps, max_drafts))
     else:
-        raise ValueError(f"kind must be noise or beta, got {kind!r}")
+        p = rng.beta(acceptance * concentration, (1.0 - acceptance) * concentration, (steps, max_drafts))
     return p, np.clip(p + rng.normal(0.0, noise, p.shape), 0.0, 1.0)
 
 
@@ -98,18 +131,22 @@ def calibrated(p: np.ndarray, conf: np.ndarray, bins: int = 50) -> np.ndarray:
 
 
 def best_rule_rate(true_tokens: np.ndarray, seen_tokens: np.ndarray, ms: np.ndarray,
-                   iters: int = 100) -> tuple[float, float]:
-    """(tokens per ms, mean L) of the rule L = argmax seen_tokens - rate * T at its own rate (Dinkelbach; the
-    rate it reaches is measured on true_tokens)."""
+                   iters: int = 200) -> tuple[float, float]:
+    """(tokens per ms, mean L) of the rule L = argmax seen_tokens - rate * T at its own rate, over the columns
+    given (Dinkelbach; the rate it reaches is measured on true_tokens). Where the rule sees other values than the
+    truth the iteration can cycle between near rates: the best rate met is kept."""
     rows = np.arange(true_tokens.shape[0])
     rate = true_tokens[:, 0].mean() / ms[0]
+    best = (rate, 0.0)
     for _ in range(iters):
         L = np.argmax(seen_tokens - rate * ms[None, :], axis=1)
-        new = true_tokens[rows, L].sum() / ms[L].sum()
-        if abs(new - rate) < 1e-12:
+        new = float(true_tokens[rows, L].sum() / ms[L].sum())
+        if new > best[0]:
+            best = (new, float(L.mean()))
+        if abs(new - rate) <= 1e-12 * max(1.0, abs(rate)):
             break
         rate = new
-    return float(rate), float(L.mean())
+    return best
 
 
 def bound(curve: dict[int, float], kind: str, acceptance: float, concentration: float = 2.0, noise: float = 0.1,
@@ -123,12 +160,16 @@ def bound(curve: dict[int, float], kind: str, acceptance: float, concentration: 
     ar = 1.0 / ms[0]
     out = {"ar": 1.0, **{f"fixed{k}": float(true_tokens[:, k].mean() / ms[k]) / ar for k in range(1, MAX_DRAFTS + 1)}}
     best_fixed = max((k for k in out), key=out.get)
-    oracle, oracle_len = best_rule_rate(true_tokens, true_tokens, ms)
-    rate, rate_len = best_rule_rate(true_tokens, seen_tokens, ms)
-    L = np.argmax(seen_tokens / ms[None, :], axis=1)  # [steps] each step's own best ratio
-    ratio = float(true_tokens[np.arange(steps), L].sum() / ms[L].sum())
-    out.update(oracle=oracle / ar, oracle_mean_len=oracle_len, rate=rate / ar, rate_mean_len=rate_len,
-               ratio=ratio / ar, ratio_mean_len=float(L.mean()), best_fixed=best_fixed)
+
+    def or_ar(rate: float, mean_len: float) -> tuple[float, float]:  # a drafting rule (L >= 1) or ar, the better
+        return (rate / ar, mean_len + 1.0) if rate > ar else (1.0, 0.0)
+
+    oracle, oracle_len = or_ar(*best_rule_rate(true_tokens[:, 1:], true_tokens[:, 1:], ms[1:]))
+    rate, rate_len = or_ar(*best_rule_rate(true_tokens[:, 1:], seen_tokens[:, 1:], ms[1:]))
+    L = 1 + np.argmax(seen_tokens[:, 1:] / ms[None, 1:], axis=1)  # [steps] each step's own best ratio, L >= 1
+    ratio, ratio_len = or_ar(float(true_tokens[np.arange(steps), L].sum() / ms[L].sum()), float(L.mean()) - 1.0)
+    out.update(oracle=oracle, oracle_mean_len=oracle_len, rate=rate, rate_mean_len=rate_len,
+               ratio=ratio, ratio_mean_len=ratio_len, best_fixed=best_fixed)
     out["oracle_over_best_fixed"] = out["oracle"] / out[best_fixed]
     out["oracle_over_fixed16"] = out["oracle"] / out["fixed16"]
     out["rate_over_fixed16"] = out["rate"] / out["fixed16"]
@@ -141,6 +182,9 @@ def main() -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-e2e", help="an e2e JSON whose c=1 rows give T(n)")
     src.add_argument("--curve", help="tokens:ms pairs, e.g. 1:2.8,5:6.11,9:6.9,17:7.3")
+    ap.add_argument("--rows", default="fixed", choices=("fixed", "all"),
+                    help="--from-e2e: T(n >= 2) from the fixed-length rows only, or also from the learned policies' "
+                         "rows where those lack a token count")
     ap.add_argument("--acceptance", default="0.5,0.7,0.85,0.95")
     ap.add_argument("--kinds", default="noise,beta")
     ap.add_argument("--concentration", type=float, default=2.0)
@@ -154,19 +198,32 @@ def main() -> None:
                 rows = json.loads(Path(args.from_e2e).read_text())["rows"]
             except (OSError, KeyError, json.JSONDecodeError) as e:
                 raise ValueError(f"--from-e2e: cannot read an e2e JSON's rows from {args.from_e2e}: {e!r}") from None
-            curve = curve_from_e2e(rows)
+            curve = curve_from_e2e(rows, fill_from_all=args.rows == "all")
         else:
             curve = parse_curve(args.curve)
-        accs = [float(a) for a in args.acceptance.split(",")]
+        try:
+            accs = [float(a) for a in args.acceptance.split(",")]
+        except ValueError:
+            raise ValueError(f"--acceptance: comma-separated numbers in [0, 1], got {args.acceptance!r}") from None
+        if not all(0.0 <= a <= 1.0 for a in accs):
+            raise ValueError(f"--acceptance: each must be in [0, 1], got {args.acceptance!r}")
         kinds = args.kinds.split(",")
-        if args.steps < 100 or args.concentration <= 0 or args.noise < 0:
-            raise ValueError(f"--steps must be >= 100 (got {args.steps}), --concentration > 0 (got "
-                             f"{args.concentration}), --noise >= 0 (got {args.noise})")
+        if not set(kinds) <= {"noise", "beta"}:
+            raise ValueError(f"--kinds: each must be noise or beta, got {args.kinds!r}")
+        if args.steps < 100:
+            raise ValueError(f"--steps must be >= 100, got {args.steps}")
+        if not 0.0 < args.concentration < float("inf"):
+            raise ValueError(f"--concentration must be finite and > 0, got {args.concentration}")
+        if not 0.0 <= args.noise < float("inf"):
+            raise ValueError(f"--noise must be finite and >= 0, got {args.noise}")
         rows = [dict(kind=k, acceptance=a, **bound(curve, k, a, args.concentration, args.noise, args.steps))
                 for k in kinds for a in accs]
     except ValueError as e:
         ap.error(str(e))
     print("T(n) ms:", ", ".join(f"{n}: {curve[n]:.2f}" for n in sorted(curve)))
+    if 2 not in curve:
+        print("warning: no T(2): interpolated from T(1), which misses a drafted step's jump (the drafter's forward): "
+              "short lengths look cheaper than they are (give it with --curve, or --rows all)")
     print("| confidence | acc | fixed4 | fixed8 | fixed16 | best fixed | oracle (mean L) | rate (mean L) | ratio (mean L) "
           "| oracle / best fixed | oracle / fixed16 | rate / fixed16 | rate / ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

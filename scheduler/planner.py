@@ -60,8 +60,8 @@ from scheduler.calibration import clip_unit, pad_rows
 from scheduler.latency_model import (ExpertEstimator, Footprint, LatencyCoefs, ModelTokenCost, PlanCost,
                                      StepComposition, TokenCostTable)
 
-__all__ = ["Plan", "PlanCost", "budget_plan", "check_rate", "expected_goodput", "fixed_lengths", "item_costs_ms", "plan_host",
-           "plan_with_experts", "survival_from_acceptance"]
+__all__ = ["Plan", "PlanCost", "budget_plan", "check_rate", "expected_goodput", "fixed_lengths", "item_costs_ms",
+           "plan_host", "plan_with_experts", "survival_from_acceptance"]
 
 _MIN_ITEM_MS = 1e-9  # marginal costs are clamped to this so ratios are defined
 # inputs with at least this many drafts run in numpy (below: the Python loops, faster there). The budget search's
@@ -173,6 +173,11 @@ def plan_host(survival: Sequence[Sequence[float]], caps: Sequence[int], cost: Pl
     return Plan(lengths, gain, ms)
 
 
+def _score(gain, den, rate: float | None):
+    """What a plan search maximizes (floats or arrays): gain / den, or gain - rate x den at a rate."""
+    return gain / den if rate is None else gain - rate * den
+
+
 def check_rate(rate: float | None) -> None:
     """A plan at a long-run rate R (tokens per ms) maximizes expected tokens - R x step ms, not the step's own
     ratio. Steps of a stream are alike draws (renewal reward): the long-run goodput of a rule is E[tokens] /
@@ -180,8 +185,8 @@ def check_rate(rate: float | None) -> None:
     at the goodput its own plans reach converges to R*). The step's ratio instead adds drafts while they beat
     this step's average, which its sunk costs (drafting, the step's fixed forward) lower: it verifies too long
     in steps whose drafts look weak and too short in steps whose drafts look strong. bench/length_bound.py:
-    with informative confidences at c=1/0.85 the ratio's plans verify ~12 drafts, the rate's ~9, +4% tokens/ms
-    (H100 step costs); with identical drafts both rules plan the same."""
+    with informative confidences at c=1/0.85 the ratio's plans verify ~12 drafts, the rate's ~11, +1% tokens/ms
+    (+0.7% at 0.7; H100 and H200 step costs); with identical drafts both rules plan the same."""
     if rate is not None and not (rate > 0.0 and rate < float("inf")):
         raise ValueError(f"rate must be a finite goodput > 0 tokens per ms, got {rate!r}")
 
@@ -203,7 +208,7 @@ def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence
     rate (tokens per ms, > 0; hybridspec's): b maximizes gain - rate x (draft_ms + cost) instead, the step's
     share of the long-run goodput at that rate (see check_rate); the ratio is then not what is maximized.
 
-    survival: [B][K_i] lists or a float array [B, K]. Scores rank by (-s_ij, i, j); of equal ratios the
+    survival: [B][K_i] lists or a float array [B, K]. Scores rank by (-s_ij, i, j); of equal ratios (scores) the
     smallest budget wins. From _BUDGET_NUMPY_MIN drafts on (or for an array) the search runs in numpy, with the
     loop's arithmetic (the costs from table.costs_array where the table has one, else table.costs_ms)."""
     check_rate(rate)
@@ -218,13 +223,10 @@ def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence
     gain0 = float(len(survival)) if base_gain is None else float(base_gain)
     costs = table.costs_ms(base_tokens, base_tokens + len(items))
 
-    def score(g: float, den: float) -> float:
-        return g / den if rate is None else g - rate * den
-
-    best_b, best_r, gain = 0, score(gain0, draft_ms + costs[0]), gain0
+    best_b, best_r, gain = 0, _score(gain0, draft_ms + costs[0], rate), gain0
     for b, (neg_s, _, _) in enumerate(items, start=1):
         gain -= neg_s
-        r = score(gain, draft_ms + costs[b])
+        r = _score(gain, draft_ms + costs[b], rate)
         if r > best_r:
             best_b, best_r = b, r
     lengths = [0] * len(survival)
@@ -261,9 +263,9 @@ def _budget_plan_numpy(survival: Sequence[Sequence[float]] | np.ndarray, caps: S
     lo, hi = base_tokens, base_tokens + len(s)
     costs = costs_array(lo, hi) if costs_array is not None else np.array(table.costs_ms(lo, hi), np.float64)
     den = draft_ms + costs  # [N + 1]
-    if not den.all():
+    if rate is None and not den.all():
         raise ZeroDivisionError("float division by zero")
-    ratio = gains / den if rate is None else gains - rate * den
+    ratio = _score(gains, den, rate)
     best = int(ratio.argmax())  # the first maximum: the loop's strict `r > best_r`
     if ratio[best] != ratio[best]:  # (argmax stops at a NaN)
         return None
@@ -318,15 +320,11 @@ def width_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence[
     costs = costs_array(lo, hi) if costs_array is not None else np.array(table.costs_ms(lo, hi), np.float64)
     over = widths[1:, None]  # [C, 1]
     ratio = np.full((C, len(s) + 1), -np.inf)  # [C, N + 1]: column 0 takes nothing
-    den0 = over[:, 0] + costs[0]
-    if not den0.all() or not (over + costs[counts]).all():
+    den0, den = over[:, 0] + costs[0], over + costs[counts]  # [C], [C, N]
+    if rate is None and (not den0.all() or not den.all()):
         raise ZeroDivisionError("float division by zero")
-    if rate is None:
-        ratio[:, 0] = gain0 / den0
-        ratio[:, 1:] = np.where(taken, gains / (over + costs[counts]), -np.inf)
-    else:  # (the name stays: the score maximized)
-        ratio[:, 0] = gain0 - rate * den0
-        ratio[:, 1:] = np.where(taken, gains - rate * (over + costs[counts]), -np.inf)
+    ratio[:, 0] = _score(gain0, den0, rate)
+    ratio[:, 1:] = np.where(taken, _score(gains, den, rate), -np.inf)
     ratio[np.isnan(ratio)] = -np.inf  # (a NaN score or cost is never chosen; argmax would stop at it)
     best = int(np.argmax(ratio))  # row-major: the smallest c, then the fewest tokens
     ci, p = divmod(best, len(s) + 1)

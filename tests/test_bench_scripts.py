@@ -476,7 +476,7 @@ def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_info
             assert r["oracle"] >= 1.0 - 1e-9  # L = 0 (plain decoding) is one of its choices
             assert r["oracle_over_best_fixed"] == pytest.approx(1.0), r
         else:
-            assert r["oracle_over_best_fixed"] > 1.05, r
+            assert r["oracle_over_best_fixed"] > 1.03, r
             if acc == 0.85:  # strong and weak steps: the rate plans longer and shorter than the ratio, and gains
                 assert r["rate_over_ratio"] > 1.01 and r["rate_mean_len"] < r["ratio_mean_len"], r
     # the rates themselves: fixed16 at acceptance a yields (1 + sum_j a^j) tokens in T(17)
@@ -488,6 +488,20 @@ def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_info
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "| beta | 0.85 |" in res.stdout and len(json.loads(out.read_text())["rows"]) == 2
+    # the curve from an e2e JSON: T(1) from ar's rows only, T(n >= 2) from fixed rows (the learned policies' only
+    # with --rows all, where the fixed rows lack the count), each count's medians weighted by their steps
+    rows = [{"policy": "ar", "concurrency": 1, "step_ms_by_tokens": {"1": [100, 3.0]}},
+            {"policy": "budget", "concurrency": 1, "step_ms_by_tokens": {"1": [50, 4.0], "9": [40, 7.5],
+                                                                         "17": [30, 9.0]}},
+            {"policy": "fixed16", "concurrency": 1, "step_ms_by_tokens": {"17": [30, 8.0], "5": [2, 6.0]}},
+            {"policy": "fixed16", "concurrency": 1, "step_ms_by_tokens": {"17": [10, 8.4]}},
+            {"policy": "fixed4", "concurrency": 4, "step_ms_by_tokens": {"5": [90, 20.0]}}]
+    assert lb.curve_from_e2e(rows) == pytest.approx({1: 3.0, 17: 8.1})
+    assert lb.curve_from_e2e(rows, fill_from_all=True) == pytest.approx({1: 3.0, 9: 7.5, 17: 8.1})
+    with pytest.raises(ValueError, match="no c=1 ar row"):
+        lb.curve_from_e2e(rows[1:])
+    with pytest.raises(ValueError, match="step_ms_by_tokens must map tokens"):
+        lb.curve_from_e2e(rows[:1] + [{"policy": "fixed4", "concurrency": 1, "step_ms_by_tokens": {"5": 6.0}}])
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "length_bound.py"), "--curve", "5:6.5,17:8.3"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--curve needs tokens >= 1 including 1" in bad.stderr

@@ -1688,6 +1688,11 @@ def test_extra_tokens_do_not_carry_a_step_past_its_token_bucket(monkeypatch):
     monkeypatch.setattr(policy_module, "EXTRA_WITHIN_BUCKET", True)
     # gains that never pay for a token: none
     assert extras(keep=(0.0, 100.0)) == set()
+    # a plan made at a rate: extras by gain - rate x added ms (a rate no gain beats sends none, a low one fills the
+    # bucket), and the rate is used once
+    for rate, want in ((1e6, 0), (1e-3, 64 - total)):
+        policy._rate_now = rate
+        assert len(extras()) == want and policy._rate_now is None
 
 
 def test_extra_gate_measures_both_verdicts_then_follows_the_faster_and_probes_the_other():
@@ -2002,6 +2007,80 @@ def test_width_plan_is_budget_plan_for_a_flat_overhead_and_the_best_width_otherw
     assert width_plan([[0.0] * 4] * 2, [4, 4], table, 2, [0.0] + [2.0] * 4)[1] == 1
     with pytest.raises(ValueError, match="width_ms"):
         width_plan([[0.9]], [1], table, 1, [0.0])
+
+
+def test_width_plan_at_a_rate_is_the_best_width_by_brute_force():
+    """width_plan with a rate: the best of budget_plan at that rate over the drafts at j < c, each at its c's
+    overhead, by gain - rate x ms (brute force); its lengths stay <= c."""
+    from scheduler.planner import width_plan
+
+    rng = np.random.default_rng(5)
+    table = TokenCostTable([1, 64, 128, 256, 512], [5.0, 6.0, 8.0, 12.0, 20.0])
+    for _ in range(150):
+        B, K = int(rng.integers(1, 24)), int(rng.integers(1, 12))
+        survival = survival_from_acceptance(rng.uniform(0.3, 0.99, (B, K)))
+        caps = rng.integers(0, K + 1, B).tolist()
+        rising = [0.0, *np.sort(rng.uniform(0.0, 6.0, K))]
+        rate = float(rng.uniform(0.1, 3.0))
+        plan, c = width_plan(survival, caps, table, B, rising, rate=rate)
+        best = max(p.expected_tokens - rate * p.step_ms
+                   for p in (budget_plan(survival, [min(x, w) for x in caps], table, B, draft_ms=rising[w], rate=rate)
+                             for w in range(1, K + 1)))
+        assert plan.expected_tokens - rate * plan.step_ms == pytest.approx(best)
+        assert max(plan.lengths) <= c and plan.step_ms >= rising[c]
+    with pytest.raises(ValueError, match="rate must be a finite goodput > 0"):
+        width_plan([[0.9]], [1], table, 1, [0.0, 1.0], rate=float("nan"))
+
+
+def test_hybridspec_plans_every_branch_at_the_rate_its_decode_plans_learn(monkeypatch):
+    """Every plan of hybridspec after its first is made at the goodput of the decode-only plans before it at its
+    batch size (width_plan's choices and the plans between them alike), each plan's own expected tokens and ms
+    feed it; a step with a prefill chunk plans at the rate but teaches it nothing; another batch size starts from
+    the nearest one's rate scaled to its own; the ratio ablation never passes a rate. Its extra tokens are chosen
+    at the plan's rate too."""
+    import workers.policy as pol
+
+    calls = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls.append((fn.__name__, kwargs.get("rate"), out[0] if isinstance(out, tuple) else out))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(pol, "width_plan", spy(pol.width_plan))
+    monkeypatch.setattr(pol, "budget_plan", spy(pol.budget_plan))
+    rng = np.random.default_rng(2)
+    for ratio in (False, True):
+        calls.clear()
+        policy = _measured_width_policy()
+        if ratio:
+            policy.ablate("ratio")
+        tok = ms = None
+        for step in range(3 * pol.WIDTH_EVERY):
+            policy.observe_draft(8, 8 * 17, 6.0)
+            survival = [[float(p) ** (j + 1) for j in range(16)] for p in rng.uniform(0.6, 0.98, 8)]
+            policy._plan_hybridspec(survival, [16] * 8, [1] * 8, [100] * 8)
+            name, rate, plan = calls[-1]
+            if ratio or step == 0:
+                assert rate is None
+            else:
+                assert rate == pytest.approx(tok / ms)
+            if not ratio:
+                tok = plan.expected_tokens if tok is None else tok + pol.RATE_ALPHA * (plan.expected_tokens - tok)
+                ms = plan.step_ms if ms is None else ms + pol.RATE_ALPHA * (plan.step_ms - ms)
+        assert {name for name, _, _ in calls} == {"width_plan", "budget_plan"}  # both branches were planned
+        if ratio:
+            assert policy.plan_rate == {}
+            continue
+        assert policy.plan_rate[8] == pytest.approx([tok, ms])
+        policy._plan_hybridspec(survival + [[]], [16] * 8 + [0], [1] * 8 + [64], [100] * 9)  # a prefill chunk rides along
+        assert calls[-1][1] is not None and policy.plan_rate[8] == pytest.approx([tok, ms]) and 9 not in policy.plan_rate
+        policy.observe_draft(6, 6 * 17, 5.0)
+        policy._plan_hybridspec(survival[:6], [16] * 6, [1] * 6, [100] * 6)
+        assert calls[-1][1] == pytest.approx(tok * 6 / 8 / ms)  # from batch size 8's, scaled
+        assert policy.plan_rate[6] == pytest.approx([calls[-1][2].expected_tokens, calls[-1][2].step_ms])
 
 
 def test_width_plan_keeps_one_long_length_from_widening_every_request():

@@ -528,3 +528,36 @@ def test_calibrator_empty_inputs():
     cal.observe_many("f", [])
     assert cal.drafters == ["d", "e", "f"]
     check_same_state(cal, ref, "e")
+
+
+def test_budget_plan_at_a_rate_equals_brute_force_in_both_searches():
+    """With a rate, budget_plan maximizes gain - rate x ms over the budgets b (the first maximum: the smallest b),
+    the b highest scores taken; the loop (few drafts) and numpy (many, or an array) searches agree with a brute
+    force over b, ties included, and a zero cost raises nothing there (no division)."""
+    import scheduler.planner as planner
+
+    rng = random.Random(11)
+    for case in range(300):
+        b, k, ragged = rng.randint(0, 40), rng.randint(0, 18), rng.random() < 0.5
+        survival = rand_survival(rng, b, k, rng.choice(["smooth", "monotone-ties"]), ragged)
+        caps = [rng.choice([0, rng.randint(0, k + 3), len(row)]) for row in survival]
+        table = rand_table(rng, rng.choice([1, 2, 5, 30]))
+        base_tokens, draft_ms = rng.randint(0, 80), rng.choice([0.0, 0.7])
+        rate = rng.choice([0.05, 0.3, 1.0, 4.0])
+        items = sorted((-float(survival[i][j]), i, j) for i, c in enumerate(caps)
+                       for j in range(min(c, len(survival[i]))))
+        gains = [float(b)] + [float(b) - sum(s for s, _, _ in items[:n]) for n in range(1, len(items) + 1)]
+        costs = table.costs_ms(base_tokens, base_tokens + len(items))
+        scores = [g - rate * (draft_ms + c) for g, c in zip(gains, costs)]
+        best = scores.index(max(scores))
+        want = [0] * b
+        for _, i, j in items[:best]:
+            want[i] = max(want[i], j + 1)
+        got = budget_plan(survival, caps, table, base_tokens, draft_ms=draft_ms, rate=rate)
+        assert got.lengths == want, (case, got, want)
+        assert got.step_ms == pytest.approx(draft_ms + costs[best])
+        numpy_plan = planner._budget_plan_numpy(survival, caps, table, base_tokens, None, draft_ms, rate)
+        assert numpy_plan.lengths == want, (case, numpy_plan, want)
+    zero = TokenCostTable([1, 8], [0.0, 1.0])
+    assert budget_plan([[0.9] * 60], [60], zero, 0, rate=1.0).lengths == \
+        planner._budget_plan_numpy([[0.9] * 60], [60], zero, 0, None, 0.0, 1.0).lengths

@@ -3,7 +3,8 @@
 - `ar`: never verify drafts.   - `fixed`: verify min(K, cap_i) drafts.
 - `budget`: vLLM-style adaptive verification: one batch-wide token budget from survival scores and a cost table
   indexed by token count only.
-- `hybridspec`: lengths chosen jointly for the goodput of the whole step: forward costs measured per batch-size
+- `hybridspec`: lengths chosen jointly for the whole step at the goodput its recent plans expect (expected tokens -
+  that rate x the step's ms maximized: scheduler.planner.check_rate): forward costs measured per batch-size
   bucket and token count (the batch latency model, with tokens, distinct experts, requests and context, where
   none are measured) plus the measured rest of a drafted step and the drafting its longest length implies (the
   drafter's ms by rows, measured: width_plan); one extra token per request up to the first
@@ -101,9 +102,9 @@ WIDTH_EVERY = 8
 # HYBRIDSPEC_WIDTH_FROM (a power of two >= 1; 1: width_plan at every bucket, as before 3a915b1) for A/B measurement
 WIDTH_FROM = width_from()
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
-# hybridspec plans at the goodput its own recent plans expect (planner.check_rate): per batch-size bucket, the
-# EWMAs of the plans' expected tokens per request and of their predicted ms, this weight a plan; a bucket's first
-# plan maximizes its own ratio
+# hybridspec plans at the goodput its own recent plans expect (planner.check_rate): per batch size, the EWMAs of
+# the decode-only plans' expected tokens and of their predicted ms, this weight a plan; a batch size's first plans
+# take the nearest planned batch size's rate scaled to theirs, the very first one maximizes its own ratio
 RATE_ALPHA = 0.1
 # the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan's and the
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
@@ -284,11 +285,12 @@ class LengthPolicy:
         self.draft_costs: dict[int, DraftCost] = {}
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
-        # hybridspec: plans maximize expected tokens - R x ms at the goodput R its recent plans expect (per
-        # batch-size bucket: [EWMA of expected tokens per request, EWMA of predicted ms]); the ratio ablation
-        # maximizes each step's own ratio, as budget does
+        # hybridspec: plans maximize expected tokens - R x ms at the goodput R its recent plans expect (per batch
+        # size: [EWMA of expected tokens, EWMA of predicted ms] of decode-only plans); the ratio ablation maximizes
+        # each step's own ratio, as budget does
         self.plans_at_rate = True
         self.plan_rate: dict[int, list[float]] = {}
+        self._rate_now: float | None = None  # the rate this step's plan was made at (its extra tokens' too)
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
         # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
         self.quiet_plain = True
@@ -515,7 +517,7 @@ class LengthPolicy:
                 contexts: list[int]) -> list[int]:
         """caps/confidences per request of the step (prefill rows: cap 0, no confidences)."""
         self._settle(prime=False)  # (on the plan's critical path: no priming here, the plan computes what it needs)
-        self._last_plan = None
+        self._last_plan = self._rate_now = None
         if self.name == "ar":
             return [0] * len(caps)
         caps = [min(c, len(conf)) for c, conf in zip(caps, confidences)]
@@ -603,14 +605,15 @@ class LengthPolicy:
         """The joint plan. Every request's tokens route by global popularity (the worker keeps no per-request
         expert footprints), so a step's cost depends on its token count only (step_cost) and the best plan for
         each token count is the highest survival scores: the search of budget_plan over that cost is exact,
-        O(B K log(B K)) on the host with no device round trip. (planner.plan_with_experts /
+        O(B K log(B K)) on the host with no device round trip; it maximizes expected tokens - R x ms at the goodput R
+        its recent plans expect (_plan_rate; the ratio ablation: the step's own ratio). (planner.plan_with_experts /
         planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.) Where the
         bucket has measured its drafting and the rest of its steps, the longest length c is chosen with the drafting
         it implies (width_plan, every WIDTH_EVERY plans) and the plans between search within it; else the measured
         overhead is priced as sunk (so too below the WIDTH_FROM bucket)."""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         b = SpeculationGate.bucket(len(tokens))
-        rate = self._plan_rate(b, len(tokens))
+        rate = self._rate_now = self._plan_rate(len(tokens))
         choice = self._width_choice.get(b)
         width_ms = None
         # a choice is made again after WIDTH_EVERY plans, or at once where the last one took every draft there
@@ -629,12 +632,12 @@ class LengthPolicy:
                                rate=rate)
         else:
             c = None
-            # the goodput of the whole step: its drafting and the rest are paid whatever the lengths, and make long
-            # blocks worth more than the forward alone says
+            # the whole step: its drafting and the rest are paid whatever the lengths; they make long blocks worth
+            # more than the forward alone says in the step's ratio, and lower the goodput R a plan at a rate aims at
             plan = budget_plan(survival, caps, cost, sum(tokens), draft_ms=self.step_overhead_ms(len(tokens)),
                                rate=rate)
             predicted = plan.step_ms
-        self._learn_plan_rate(b, len(tokens), plan)
+        self._learn_plan_rate(tokens, plan)
         if c is not None:
             # this step drafted what it drafted: its prediction has the measured drafting, not the chosen width's
             predicted = plan.step_ms - self._width_choice[b].overhead_ms + self.rest_overhead_ms[b] + self._draft_now
@@ -646,26 +649,39 @@ class LengthPolicy:
         self._draft_caps.pop(b, None)
         return plan.lengths
 
-    def _plan_rate(self, bucket: int, batch_size: int) -> float | None:
-        """The goodput (tokens per ms) this bucket's plans aim at: what its recent plans expect, scaled to this
-        batch size (None: its first plan, or the ratio ablation)."""
-        ewma = self.plan_rate.get(bucket) if self.plans_at_rate else None
-        if ewma is None or not ewma[1] > 0.0 or not ewma[0] > 0.0:
+    def _plan_rate(self, batch_size: int) -> float | None:
+        """The goodput (tokens per ms) a plan at this batch size aims at: what its recent plans there expect; where
+        none were made, the nearest planned batch size's (in doublings, then the larger) scaled by the batch sizes'
+        ratio; None: no plan yet, or the ratio ablation. (A step's ms grows with its batch less than in proportion,
+        so the scaled rate is low from a larger batch and high from a smaller one, until this size's own plans
+        correct it: plans at a rate converge to their own goodput.)"""
+        if not self.plans_at_rate or not self.plan_rate:
             return None
-        return batch_size * ewma[0] / ewma[1]
-
-    def _learn_plan_rate(self, bucket: int, batch_size: int, plan: Plan) -> None:
-        """A plan's expected tokens per request and ms under its search's own costs (the whole step's, as the
-        search priced it) into the bucket's EWMAs (_plan_rate)."""
-        if not self.plans_at_rate or not plan.step_ms > 0.0 or batch_size <= 0:
-            return
-        tok = plan.expected_tokens / batch_size
-        ewma = self.plan_rate.get(bucket)
+        ewma = self.plan_rate.get(batch_size)
         if ewma is None:
-            self.plan_rate[bucket] = [tok, plan.step_ms]
+            near = min(self.plan_rate, key=lambda n: (abs(n.bit_length() - batch_size.bit_length()), -n))
+            tok, ms = self.plan_rate[near]
+            rate = tok * batch_size / near / ms
+        else:
+            rate = ewma[0] / ewma[1]
+        return rate if 0.0 < rate < float("inf") else None
+
+    def _learn_plan_rate(self, tokens: list[int], plan: Plan) -> None:
+        """A decode-only plan's expected tokens and ms under its search's own costs (the whole step's, as the search
+        priced it) into its batch size's EWMAs (_plan_rate). A step that carries a prefill chunk is left out: its
+        chunk's rows and forward are paid whatever the lengths, and would lower the decode goodput the plans aim
+        at (B=2 with a 128-token chunk one step in four: R 1.15 -> 0.85, plans 6 -> 8 drafts)."""
+        if not self.plans_at_rate or any(t != 1 for t in tokens):
+            return
+        tok, ms = float(plan.expected_tokens), float(plan.step_ms)
+        if not (0.0 < tok < float("inf") and 0.0 < ms < float("inf")):
+            return  # (a non-finite or empty prediction teaches nothing)
+        ewma = self.plan_rate.get(len(tokens))
+        if ewma is None:
+            self.plan_rate[len(tokens)] = [tok, ms]
         else:
             ewma[0] += RATE_ALPHA * (tok - ewma[0])
-            ewma[1] += RATE_ALPHA * (plan.step_ms - ewma[1])
+            ewma[1] += RATE_ALPHA * (ms - ewma[1])
 
     def _width_overheads(self, bucket: int, caps: list[int]) -> list[float] | None:
         """[C + 1] for width_plan (C: the longest cap of the step): the overhead of a drafted step whose plans
@@ -691,7 +707,8 @@ class LengthPolicy:
         (expected tokens + their gains) / (predicted step ms + what m more tokens add to the cost without new
         experts: the cost curve at this step less the latency model's expert part of it, at least ms_per_token a
         token). A dropped token costs no expert work, a kept one touches only covered experts. The cost curve is
-        the measured one, step-shaped by the graphs' token buckets: extra tokens that would carry a step past a
+        the measured one, step-shaped by the graphs' token buckets (a plan made at a rate R sends the m maximizing
+        their gains - R x their added ms instead, as its drafts were chosen): extra tokens that would carry a step past a
         bucket's top pay that bucket's jump together (before, each was priced alone at the slope where the plan
         ended: a plan a few tokens under a bucket's top could send more extras than fit under it, and the step
         ran in the next bucket; at c=64, 64 x 5 tokens took 15.0 ms in the 384-token bucket against 13.3 for
@@ -726,7 +743,9 @@ class LengthPolicy:
         gains = np.array([p_keep * survival[i][lengths[i]] for i in candidates], dtype=np.float64)  # [k]
         order = np.argsort(-gains, kind="stable")  # best first (ties: the request order)
         added = self._dense_tokens_ms(cost, total, len(candidates))  # [k + 1] ms of m more tokens, m = 0..k
-        goodput = (plan.expected_tokens + np.concatenate(([0.0], np.cumsum(gains[order])))) / (plan.step_ms + added)
+        gain_m = np.concatenate(([0.0], np.cumsum(gains[order])))  # [k + 1]
+        rate, self._rate_now = self._rate_now, None
+        goodput = (plan.expected_tokens + gain_m) / (plan.step_ms + added) if rate is None else gain_m - rate * added
         if EXTRA_WITHIN_BUCKET:  # no more than the plan's graph bucket holds
             room = next((t for t in _TOKEN_BUCKETS if t >= total), total) - total
             goodput = goodput[:room + 1]
