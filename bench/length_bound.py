@@ -224,8 +224,8 @@ def main() -> None:
     if 2 not in curve:
         print("warning: no T(2): interpolated from T(1), which misses a drafted step's jump (the drafter's forward): "
               "short lengths look cheaper than they are (give it with --curve, or --rows all)")
-    print("| confidence | acc | fixed4 | fixed8 | fixed16 | best fixed | oracle (mean L) | rate (mean L) | ratio (mean L) "
-          "| oracle / best fixed | oracle / fixed16 | rate / fixed16 | rate / ratio |")
+    print("| confidence | acc | fixed4 | fixed8 | fixed16 | best fixed | oracle (mean L) | rate (mean L) "
+          "| ratio (mean L) | oracle / best fixed | oracle / fixed16 | rate / fixed16 | rate / ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['acceptance']} | {r['fixed4']:.2f} | {r['fixed8']:.2f} | {r['fixed16']:.2f} | "

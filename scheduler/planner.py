@@ -222,7 +222,6 @@ def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence
     items = sorted((-float(survival[i][j]), i, j) for i, cap in enumerate(caps) for j in range(cap))  # best first
     gain0 = float(len(survival)) if base_gain is None else float(base_gain)
     costs = table.costs_ms(base_tokens, base_tokens + len(items))
-
     best_b, best_r, gain = 0, _score(gain0, draft_ms + costs[0], rate), gain0
     for b, (neg_s, _, _) in enumerate(items, start=1):
         gain -= neg_s

@@ -458,8 +458,8 @@ def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_info
     """bench/length_bound.py: the oracle (it knows each draft's p) is >= every fixed length, equals the best fixed
     length when every p is the same (noise: nothing to adapt to), gains with informative p (beta); the rules on
     calibrated confidences (rate: hybridspec's objective, ratio: budget's) are never above it, plan alike without
-    information and differ with it (the rate ahead); the script prints the table and writes the JSON; a bad curve names the
-    flag."""
+    information and differ with it (the rate ahead); the script prints the table and writes the JSON; a bad curve
+    names the flag."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import length_bound as lb

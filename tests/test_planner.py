@@ -1952,8 +1952,8 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
         policy.ablate(variant)
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
-                policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain, policy.plans_at_rate) == parts, \
-            variant
+                policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain,
+                policy.plans_at_rate) == parts, variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW
@@ -2075,8 +2075,9 @@ def test_hybridspec_plans_every_branch_at_the_rate_its_decode_plans_learn(monkey
             assert policy.plan_rate == {}
             continue
         assert policy.plan_rate[8] == pytest.approx([tok, ms])
-        policy._plan_hybridspec(survival + [[]], [16] * 8 + [0], [1] * 8 + [64], [100] * 9)  # a prefill chunk rides along
-        assert calls[-1][1] is not None and policy.plan_rate[8] == pytest.approx([tok, ms]) and 9 not in policy.plan_rate
+        policy._plan_hybridspec(survival + [[]], [16] * 8 + [0], [1] * 8 + [64], [100] * 9)  # a prefill chunk too
+        assert calls[-1][1] == pytest.approx(tok / ms)  # at batch size 8's rate (its decode rows) ...
+        assert policy.plan_rate[8] == pytest.approx([tok, ms]) and 9 not in policy.plan_rate  # ... teaching nothing
         policy.observe_draft(6, 6 * 17, 5.0)
         policy._plan_hybridspec(survival[:6], [16] * 6, [1] * 6, [100] * 6)
         assert calls[-1][1] == pytest.approx(tok * 6 / 8 / ms)  # from batch size 8's, scaled

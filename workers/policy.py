@@ -331,8 +331,9 @@ class LengthPolicy:
         max_verify_len at every drafted step (no cap from its recent plans, as budget drafts; bench/NOTES.md 2026-12-06
         23:28 item 2); from the WIDTH_FROM bucket on, width_plan then prices every longest length at that drafting,
         which is what it drafts; ratio: each plan maximizes its step's expected tokens over its ms (budget's
-        objective), not expected tokens - R x ms at its recent plans' goodput R (planner.check_rate). (thinplain, the learning of plain steps thinned 8x, was measured and removed: no effect,
-        bench/NOTES.md 2026-12-06 02:45.)"""
+        objective), not expected tokens - R x ms at its recent plans' goodput R (planner.check_rate). (thinplain,
+        the learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06
+        02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
             raise ValueError(f"ablation must be one of {sorted(ABLATIONS)} of hybridspec, got {self.name}-{variant}")
         parts = ABLATIONS[variant]
@@ -613,7 +614,7 @@ class LengthPolicy:
         overhead is priced as sunk (so too below the WIDTH_FROM bucket)."""
         cost = self.step_cost(tokens, contexts, sum(tokens) + sum(caps) + len(caps))
         b = SpeculationGate.bucket(len(tokens))
-        rate = self._rate_now = self._plan_rate(len(tokens))
+        rate = self._rate_now = self._plan_rate(sum(1 for t in tokens if t == 1))  # (its decode rows)
         choice = self._width_choice.get(b)
         width_ms = None
         # a choice is made again after WIDTH_EVERY plans, or at once where the last one took every draft there
@@ -655,7 +656,7 @@ class LengthPolicy:
         ratio; None: no plan yet, or the ratio ablation. (A step's ms grows with its batch less than in proportion,
         so the scaled rate is low from a larger batch and high from a smaller one, until this size's own plans
         correct it: plans at a rate converge to their own goodput.)"""
-        if not self.plans_at_rate or not self.plan_rate:
+        if not self.plans_at_rate or not self.plan_rate or batch_size < 1:
             return None
         ewma = self.plan_rate.get(batch_size)
         if ewma is None:
@@ -708,8 +709,8 @@ class LengthPolicy:
         experts: the cost curve at this step less the latency model's expert part of it, at least ms_per_token a
         token). A dropped token costs no expert work, a kept one touches only covered experts. The cost curve is
         the measured one, step-shaped by the graphs' token buckets (a plan made at a rate R sends the m maximizing
-        their gains - R x their added ms instead, as its drafts were chosen): extra tokens that would carry a step past a
-        bucket's top pay that bucket's jump together (before, each was priced alone at the slope where the plan
+        their gains - R x their added ms instead, as its drafts were chosen): extra tokens that would carry a step
+        past a bucket's top pay that bucket's jump together (before, each was priced alone at the slope where the plan
         ended: a plan a few tokens under a bucket's top could send more extras than fit under it, and the step
         ran in the next bucket; at c=64, 64 x 5 tokens took 15.0 ms in the 384-token bucket against 13.3 for
         64 x 4 in the 256 one, bench/NOTES.md). P(kept) is measured per batch-size bucket (optimistic
