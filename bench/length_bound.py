@@ -20,9 +20,9 @@ reported (no mix of plain and drafted steps beats both):
 - oracle: knows every p_j of the step and picks L maximizing E[tokens | p] - rate * T(L + 1), at the rate that
   this rule itself reaches (Dinkelbach's iteration): the best any rule can do that sees no outcome ahead;
 - rate: the same rule on the drafter's confidences (p_j + N(0, noise), clipped) as an ideally calibrated planner
-  sees them (E[p | confidence], binned on the same draws): hybridspec's objective (planner.check_rate);
+  sees them (E[p | confidence], binned on the same draws): hybridspec-rate's objective (planner.check_rate);
 - ratio: each step's own ratio E[tokens] / T(L + 1) maximized on the same calibrated confidences: budget's
-  objective (and hybridspec's before 4d13581).
+  and hybridspec's objective.
 The table gives each rule's tokens/ms relative to ar (1 / T(1)), the mean L of the adaptive rules (0: ar was
 better), and oracle / best fixed, oracle / fixed16, rate / fixed16, rate / ratio.
 What bounds what: the oracle bounds every rule that decides a step's lengths from that step's drafts, under the

@@ -205,7 +205,7 @@ def budget_plan(survival: Sequence[Sequence[float]] | np.ndarray, caps: Sequence
     since survival is non-increasing in j). step_ms in the result is the table's estimate.
     For any cost that depends on the step's token count only (a ModelTokenCost: the latency model when every
     request routes by global popularity) the b highest scores are the best b drafts, so this search is exact.
-    rate (tokens per ms, > 0; hybridspec's): b maximizes gain - rate x (draft_ms + cost) instead, the step's
+    rate (tokens per ms, > 0; hybridspec-rate's): b maximizes gain - rate x (draft_ms + cost) instead, the step's
     share of the long-run goodput at that rate (see check_rate); the ratio is then not what is maximized.
 
     survival: [B][K_i] lists or a float array [B, K]. Scores rank by (-s_ij, i, j); of equal ratios (scores) the

@@ -1275,7 +1275,7 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
     """hybridspec maximizes the goodput of the whole step: a drafted step's measured time beyond the forward
     (drafting, planning, acceptance) is paid whatever the lengths, so a larger overhead makes longer blocks
     worth it; the overhead is learned per batch-size bucket from whole steps and forwards. Both objectives: each
-    step's own ratio (the ratio ablation) at once, and the goodput its recent plans expect (the default) once its
+    step's own ratio (the default) at once, and the goodput its recent plans expect (the rate variant) once its
     rate has settled (every step alike here, so both land on the best fixed length)."""
     from workers.policy import LengthPolicy
 
@@ -1287,8 +1287,8 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
 
     for ratio in (True, False):
         policy = LengthPolicy("hybridspec", cfg, max_verify_len=8)
-        if ratio:
-            policy.ablate("ratio")
+        if not ratio:
+            policy.ablate("rate")
         policy.latency.coefs = LatencyCoefs(const_ms=4.0, ms_per_token=0.3)
         for _ in range(1 if ratio else 200):  # (the rate: plans at the goodput of the plans before them)
             short = policy._plan_hybridspec(survival, [8], [1], [100])
@@ -1311,7 +1311,7 @@ def test_hybridspec_plans_for_the_whole_step_with_its_measured_overhead():
 def test_hybridspec_plans_at_its_goodput_not_each_steps_ratio():
     """Steps whose drafts look strong or weak alternate: at the goodput its plans reach, hybridspec verifies
     longer in the strong steps and shorter in the weak ones than each step's own ratio would, and its expected
-    tokens per ms over the stream beat the ratio's (and every fixed length's); the ratio ablation plans as
+    tokens per ms over the stream beat the ratio's (and every fixed length's); the default (the ratio) plans as
     budget_plan does without a rate."""
     from scheduler.latency_model import TokenCostTable
     from workers.policy import LengthPolicy
@@ -1324,8 +1324,8 @@ def test_hybridspec_plans_at_its_goodput_not_each_steps_ratio():
 
     def serve(ratio: bool) -> tuple[float, dict]:
         policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
-        if ratio:
-            policy.ablate("ratio")
+        if not ratio:
+            policy.ablate("rate")
         policy.step_cost = lambda tokens, contexts, max_tokens: table
         policy.step_overhead_ms = lambda batch_size: 1.0
         tokens = ms = 0.0
@@ -1347,8 +1347,7 @@ def test_hybridspec_plans_at_its_goodput_not_each_steps_ratio():
     fixed = max((2 + sum(strong[0][:k]) + sum(weak[0][:k])) / (2 * (1.0 + table.step_ms[k])) for k in range(17))
     assert at_rate > fixed
     plain = budget_plan(weak, [16], table, 1, draft_ms=1.0)
-    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)
-    policy.ablate("ratio")
+    policy = LengthPolicy("hybridspec", cfg, max_verify_len=16)  # (the default: the ratio)
     policy.step_cost = lambda tokens, contexts, max_tokens: table
     policy.step_overhead_ms = lambda batch_size: 1.0
     assert policy._plan_hybridspec(weak, [16], [1], [100]) == plain.lengths
@@ -1939,13 +1938,13 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     cfg = _moe_config()
     from workers.policy import DRAFT_MARGIN
 
-    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, True)
+    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput: a variant)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
               "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,) + on[8:],
-              "nocap": on[:6] + (16,) + on[7:], "ratio": on[:8] + (False,)}
+              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
@@ -2036,7 +2035,7 @@ def test_hybridspec_plans_every_branch_at_the_rate_its_decode_plans_learn(monkey
     """Every plan of hybridspec after its first is made at the goodput of the decode-only plans before it at its
     batch size (width_plan's choices and the plans between them alike), each plan's own expected tokens and ms
     feed it; a step with a prefill chunk plans at the rate but teaches it nothing; another batch size starts from
-    the nearest one's rate scaled to its own; the ratio ablation never passes a rate. Its extra tokens are chosen
+    the nearest one's rate scaled to its own; the default (the ratio) never passes a rate. Its extra tokens are chosen
     at the plan's rate too."""
     import workers.policy as pol
 
@@ -2055,8 +2054,8 @@ def test_hybridspec_plans_every_branch_at_the_rate_its_decode_plans_learn(monkey
     for ratio in (False, True):
         calls.clear()
         policy = _measured_width_policy()
-        if ratio:
-            policy.ablate("ratio")
+        if not ratio:
+            policy.ablate("rate")
         tok = ms = None
         for step in range(3 * pol.WIDTH_EVERY):
             policy.observe_draft(8, 8 * 17, 6.0)

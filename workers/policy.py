@@ -3,8 +3,9 @@
 - `ar`: never verify drafts.   - `fixed`: verify min(K, cap_i) drafts.
 - `budget`: vLLM-style adaptive verification: one batch-wide token budget from survival scores and a cost table
   indexed by token count only.
-- `hybridspec`: lengths chosen jointly for the whole step at the goodput its recent plans expect (expected tokens -
-  that rate x the step's ms maximized: scheduler.planner.check_rate): forward costs measured per batch-size
+- `hybridspec`: lengths chosen jointly for the goodput of the whole step (its expected tokens over its ms; the
+  `rate` variant: expected tokens - R x ms at the goodput R its recent plans expect, scheduler.planner.check_rate,
+  not yet measured on a GPU): forward costs measured per batch-size
   bucket and token count (the batch latency model, with tokens, distinct experts, requests and context, where
   none are measured) plus the measured rest of a drafted step and the drafting its longest length implies (the
   drafter's ms by rows, measured: width_plan); one extra token per request up to the first
@@ -53,7 +54,7 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "noquiet": ("quiet",), "nocap": ("cap",), "ratio": ("rate",)}
+             "noquiet": ("quiet",), "nocap": ("cap",), "rate": ("rate",)}
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -102,9 +103,11 @@ WIDTH_EVERY = 8
 # HYBRIDSPEC_WIDTH_FROM (a power of two >= 1; 1: width_plan at every bucket, as before 3a915b1) for A/B measurement
 WIDTH_FROM = width_from()
 REST_ALPHA = 0.1  # EWMA weight of a drafted step's ms beyond its forward and its drafting (per batch-size bucket)
-# hybridspec plans at the goodput its own recent plans expect (planner.check_rate): per batch size, the EWMAs of
-# the decode-only plans' expected tokens and of their predicted ms, this weight a plan; a batch size's first plans
-# take the nearest planned batch size's rate scaled to theirs, the very first one maximizes its own ratio
+# hybridspec-rate plans at the goodput its own recent plans expect (planner.check_rate): per batch size, the EWMAs
+# of the decode-only plans' expected tokens and of their predicted ms, this weight a plan; a batch size's first plans
+# take the nearest planned batch size's rate scaled to theirs, the very first one maximizes its own ratio. Off by
+# default until an end-to-end A/B (bench/length_bound.py predicts +1% at c=1/0.85 with informative confidences, 0
+# with uninformative ones; bench/NOTES.md 2026-12-07)
 RATE_ALPHA = 0.1
 # the calibration maps are rebuilt at most every CALIBRATION_STALE_READS + 1 reads (two a step: the plan's and the
 # observation's scoring): rebuilding them before every plan was ~0.25 ms of a learned policy's ~0.3 ms of host plan
@@ -285,10 +288,10 @@ class LengthPolicy:
         self.draft_costs: dict[int, DraftCost] = {}
         self.rest_overhead_ms: dict[int, float] = {}
         self.plans_width = True  # hybridspec: its plans choose their longest length with the block it implies
-        # hybridspec: plans maximize expected tokens - R x ms at the goodput R its recent plans expect (per batch
-        # size: [EWMA of expected tokens, EWMA of predicted ms] of decode-only plans); the ratio ablation maximizes
-        # each step's own ratio, as budget does
-        self.plans_at_rate = True
+        # hybridspec-rate: plans maximize expected tokens - R x ms at the goodput R its recent plans expect (per
+        # batch size: [EWMA of expected tokens, EWMA of predicted ms] of decode-only plans); by default each plan
+        # maximizes its step's own ratio, as budget's does
+        self.plans_at_rate = False
         self.plan_rate: dict[int, list[float]] = {}
         self._rate_now: float | None = None  # the rate this step's plan was made at (its extra tokens' too)
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
@@ -330,8 +333,8 @@ class LengthPolicy:
         path costs); noquiet: no quiet plain streaks (the runner asks the gate at every plain step); nocap: drafts
         max_verify_len at every drafted step (no cap from its recent plans, as budget drafts; bench/NOTES.md 2026-12-06
         23:28 item 2); from the WIDTH_FROM bucket on, width_plan then prices every longest length at that drafting,
-        which is what it drafts; ratio: each plan maximizes its step's expected tokens over its ms (budget's
-        objective), not expected tokens - R x ms at its recent plans' goodput R (planner.check_rate). (thinplain,
+        which is what it drafts; rate (a variant, not a part off): each plan maximizes expected tokens - R x ms at
+        its recent plans' goodput R (planner.check_rate), not its step's expected tokens over its ms. (thinplain,
         the learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06
         02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
@@ -356,7 +359,7 @@ class LengthPolicy:
         if "quiet" in parts:
             self.quiet_plain = False
         if "rate" in parts:
-            self.plans_at_rate = False
+            self.plans_at_rate = True
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -606,8 +609,9 @@ class LengthPolicy:
         """The joint plan. Every request's tokens route by global popularity (the worker keeps no per-request
         expert footprints), so a step's cost depends on its token count only (step_cost) and the best plan for
         each token count is the highest survival scores: the search of budget_plan over that cost is exact,
-        O(B K log(B K)) on the host with no device round trip; it maximizes expected tokens - R x ms at the goodput R
-        its recent plans expect (_plan_rate; the ratio ablation: the step's own ratio). (planner.plan_with_experts /
+        O(B K log(B K)) on the host with no device round trip; it maximizes the step's expected tokens over its ms
+        (the rate variant: expected tokens - R x ms at the goodput R its recent plans expect, _plan_rate).
+        (planner.plan_with_experts /
         planner_torch.plan_with_experts_device solve the footprint-aware problem, where it is not.) Where the
         bucket has measured its drafting and the rest of its steps, the longest length c is chosen with the drafting
         it implies (width_plan, every WIDTH_EVERY plans) and the plans between search within it; else the measured
@@ -653,7 +657,7 @@ class LengthPolicy:
     def _plan_rate(self, batch_size: int) -> float | None:
         """The goodput (tokens per ms) a plan at this batch size aims at: what its recent plans there expect; where
         none were made, the nearest planned batch size's (in doublings, then the larger) scaled by the batch sizes'
-        ratio; None: no plan yet, or the ratio ablation. (A step's ms grows with its batch less than in proportion,
+        ratio; None: no plan yet, or not the rate variant. (A step's ms grows with its batch less than in proportion,
         so the scaled rate is low from a larger batch and high from a smaller one, until this size's own plans
         correct it: plans at a rate converge to their own goodput.)"""
         if not self.plans_at_rate or not self.plan_rate or batch_size < 1:
