@@ -43,6 +43,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scheduler.planner import survival_from_acceptance  # noqa: E402
+
 MAX_DRAFTS = 16
 
 
@@ -117,8 +119,9 @@ def draws(kind: str, acceptance: float, concentration: float, noise: float, step
 
 
 def expected_tokens(p: np.ndarray) -> np.ndarray:
-    """[steps, max_drafts + 1] E[accepted + 1] of L = 0..max_drafts drafts: 1 + the survivals' running sum."""
-    surv = np.cumprod(p, axis=1)
+    """[steps, max_drafts + 1] E[accepted + 1] of L = 0..max_drafts drafts: 1 + the survivals' running sum (the
+    planner's survival: the products of the acceptances)."""
+    surv = survival_from_acceptance(p)
     return 1.0 + np.concatenate([np.zeros((p.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
 
 
@@ -130,19 +133,20 @@ def calibrated(p: np.ndarray, conf: np.ndarray, bins: int = 50) -> np.ndarray:
     return (sums / np.maximum(counts, 1))[idx]
 
 
-def best_rule_rate(true_tokens: np.ndarray, seen_tokens: np.ndarray, ms: np.ndarray,
+def best_rule_rate(true_tokens: np.ndarray, seen_tokens: np.ndarray, ms: np.ndarray, first: int = 1,
                    iters: int = 200) -> tuple[float, float]:
-    """(tokens per ms, mean L) of the rule L = argmax seen_tokens - rate * T at its own rate, over the columns
-    given (Dinkelbach; the rate it reaches is measured on true_tokens). Where the rule sees other values than the
-    truth the iteration can cycle between near rates: the best rate met is kept."""
+    """(tokens per ms, mean L) of the rule L = argmax seen_tokens - rate * T over L >= first at its own rate
+    (Dinkelbach; the rate it reaches is measured on true_tokens). Where the rule sees other values than the truth
+    the iteration can cycle between near rates: the best rate met is kept."""
     rows = np.arange(true_tokens.shape[0])
+    true_tokens, seen_tokens, ms = true_tokens[:, first:], seen_tokens[:, first:], ms[first:]
     rate = true_tokens[:, 0].mean() / ms[0]
-    best = (rate, 0.0)
+    best = (rate, float(first))
     for _ in range(iters):
         L = np.argmax(seen_tokens - rate * ms[None, :], axis=1)
         new = float(true_tokens[rows, L].sum() / ms[L].sum())
         if new > best[0]:
-            best = (new, float(L.mean()))
+            best = (new, float(L.mean()) + first)
         if abs(new - rate) <= 1e-12 * max(1.0, abs(rate)):
             break
         rate = new
@@ -162,12 +166,12 @@ def bound(curve: dict[int, float], kind: str, acceptance: float, concentration: 
     best_fixed = max((k for k in out), key=out.get)
 
     def or_ar(rate: float, mean_len: float) -> tuple[float, float]:  # a drafting rule (L >= 1) or ar, the better
-        return (rate / ar, mean_len + 1.0) if rate > ar else (1.0, 0.0)
+        return (rate / ar, mean_len) if rate > ar else (1.0, 0.0)
 
-    oracle, oracle_len = or_ar(*best_rule_rate(true_tokens[:, 1:], true_tokens[:, 1:], ms[1:]))
-    rate, rate_len = or_ar(*best_rule_rate(true_tokens[:, 1:], seen_tokens[:, 1:], ms[1:]))
+    oracle, oracle_len = or_ar(*best_rule_rate(true_tokens, true_tokens, ms))
+    rate, rate_len = or_ar(*best_rule_rate(true_tokens, seen_tokens, ms))
     L = 1 + np.argmax(seen_tokens[:, 1:] / ms[None, 1:], axis=1)  # [steps] each step's own best ratio, L >= 1
-    ratio, ratio_len = or_ar(float(true_tokens[np.arange(steps), L].sum() / ms[L].sum()), float(L.mean()) - 1.0)
+    ratio, ratio_len = or_ar(float(true_tokens[np.arange(steps), L].sum() / ms[L].sum()), float(L.mean()))
     out.update(oracle=oracle, oracle_mean_len=oracle_len, rate=rate, rate_mean_len=rate_len,
                ratio=ratio, ratio_mean_len=ratio_len, best_fixed=best_fixed)
     out["oracle_over_best_fixed"] = out["oracle"] / out[best_fixed]

@@ -1978,7 +1978,7 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
 def test_width_plan_is_budget_plan_for_a_flat_overhead_and_the_best_width_otherwise():
     """width_plan: with the same overhead for every longest length c it is budget_plan; with overheads rising in
     c it is the best of budget_plan over the drafts at j < c, each at its c's overhead (brute force), and its
-    lengths stay <= c."""
+    lengths stay <= c; with a rate, the best of budget_plan at that rate by gain - rate x ms, the same way."""
     from scheduler.planner import width_plan
 
     rng = np.random.default_rng(3)
@@ -1998,6 +1998,13 @@ def test_width_plan_is_budget_plan_for_a_flat_overhead_and_the_best_width_otherw
                    for w in range(1, K + 1))
         assert plan.goodput_tokens_per_ms == pytest.approx(best)
         assert max(plan.lengths) <= c and plan.step_ms >= rising[c]
+        rate = float(rng.uniform(0.1, 3.0))
+        plan, c = width_plan(survival, caps, table, B, rising, rate=rate)
+        best = max(p.expected_tokens - rate * p.step_ms
+                   for p in (budget_plan(survival, [min(x, w) for x in caps], table, B, draft_ms=rising[w], rate=rate)
+                             for w in range(1, K + 1)))
+        assert plan.expected_tokens - rate * plan.step_ms == pytest.approx(best)
+        assert max(plan.lengths) <= c and plan.step_ms >= rising[c]
     ragged = [[0.9, 0.8, 0.5], [0.95], []]
     plan, c = width_plan(ragged, [3, 1, 0], table, 3, [0.0, 1.0, 1.0, 1.0])
     assert plan.lengths == budget_plan(ragged, [3, 1, 0], table, 3, draft_ms=1.0).lengths and c == max(plan.lengths)
@@ -2006,27 +2013,6 @@ def test_width_plan_is_budget_plan_for_a_flat_overhead_and_the_best_width_otherw
     assert width_plan([[0.0] * 4] * 2, [4, 4], table, 2, [0.0] + [2.0] * 4)[1] == 1
     with pytest.raises(ValueError, match="width_ms"):
         width_plan([[0.9]], [1], table, 1, [0.0])
-
-
-def test_width_plan_at_a_rate_is_the_best_width_by_brute_force():
-    """width_plan with a rate: the best of budget_plan at that rate over the drafts at j < c, each at its c's
-    overhead, by gain - rate x ms (brute force); its lengths stay <= c."""
-    from scheduler.planner import width_plan
-
-    rng = np.random.default_rng(5)
-    table = TokenCostTable([1, 64, 128, 256, 512], [5.0, 6.0, 8.0, 12.0, 20.0])
-    for _ in range(150):
-        B, K = int(rng.integers(1, 24)), int(rng.integers(1, 12))
-        survival = survival_from_acceptance(rng.uniform(0.3, 0.99, (B, K)))
-        caps = rng.integers(0, K + 1, B).tolist()
-        rising = [0.0, *np.sort(rng.uniform(0.0, 6.0, K))]
-        rate = float(rng.uniform(0.1, 3.0))
-        plan, c = width_plan(survival, caps, table, B, rising, rate=rate)
-        best = max(p.expected_tokens - rate * p.step_ms
-                   for p in (budget_plan(survival, [min(x, w) for x in caps], table, B, draft_ms=rising[w], rate=rate)
-                             for w in range(1, K + 1)))
-        assert plan.expected_tokens - rate * plan.step_ms == pytest.approx(best)
-        assert max(plan.lengths) <= c and plan.step_ms >= rising[c]
     with pytest.raises(ValueError, match="rate must be a finite goodput > 0"):
         width_plan([[0.9]], [1], table, 1, [0.0, 1.0], rate=float("nan"))
 
