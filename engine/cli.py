@@ -209,20 +209,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_event_loop(serve_until_signal(llm.engine, options, what))
 
 
+def as_flags(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+    """An error of the engine's own checks (LLM, SamplingParams) names the Python parameter it refuses
+    (`max_verify_len must be ...`); on the command line it names the option typed instead (`--max-verify-len`).
+    (With --server, the client's own checks name the field of the message it would send: `sampling.top_k`.)"""
+    name, sep, rest = message.partition(" ")
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command_parser = sub.choices.get(command) if sub is not None else None
+    if not sep or command_parser is None:
+        return message
+    for action in command_parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if action.dest == name and flags:
+            return f"{flags[0]} {rest}"
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["loadtest"]:  # loadtest parses its own options (and imports no engine code)
         from loadtest.cli import main as loadtest_main
 
         return loadtest_main(list(argv[1:]))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
     except (InvalidRequest, ValueError, FileNotFoundError, OSError) as e:
-        print(f"hybridspec: error: {e}", file=sys.stderr)
+        print(f"hybridspec: error: {as_flags(str(e), parser, args.command)}", file=sys.stderr)
         return 2
     return 1
 

@@ -7,6 +7,7 @@ max_new_tokens, abort) free their memory.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from scheduler.types import InvalidRequest, SamplingParams
 from workers.cache import ModelCache
 from workers.config import ModelConfig
 from engine.executor import EXECUTORS, WorkerSpec, create_executor
+
+log = logging.getLogger("hybridspec.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -53,7 +56,7 @@ class EngineConfig:
     freeze_heap: bool | None = None
 
     def validate(self) -> "EngineConfig":
-        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+        if not isinstance(self.device, str) or (self.device not in DEVICES and not self.device.startswith("cuda:")):
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device")
@@ -108,12 +111,19 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         dtype, device = DTYPES[config.dtype], torch.device(config.device)
-        self.max_model_len = int(config.max_model_len) if config.max_model_len is not None else \
-            min(self.model_config.max_position_embeddings, 32768)
+        longest = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > longest:
+            # positions past the model's own limit were never trained (and rotary tables may not reach them)
+            raise ValueError(f"max_model_len must be at most the model's max_position_embeddings ({longest}, "
+                             f"{model_dir / 'config.json'}) or None, got {config.max_model_len}")
+        self.max_model_len = int(config.max_model_len) if config.max_model_len is not None else min(longest, 32768)
         num_pages = int(config.num_pages) if config.num_pages is not None else self._auto_num_pages(dtype, device)
         self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
         self.memory_tokens = num_pages * config.page_size  # the most tokens one request can ever hold
         speculating = config.spec != "off" and config.policy != "ar"
+        if config.spec != "off" and config.policy == "ar":  # (allowed: a drafter loaded, ar's baseline beside it)
+            log.warning("policy 'ar' verifies no drafts: the %r drafter is loaded but never drafts "
+                        "(another policy speculates: fixed, budget, hybridspec)", config.spec)
         self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len,
                                    max_draft=config.max_verify_len if speculating else 0)
         self.executor = create_executor(config.executor, WorkerSpec(

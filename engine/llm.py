@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.core import EngineConfig, EngineCore, StepOutput
-from engine.validation import check_length
+from engine.validation import check_length, check_text_size
 from scheduler.request import RequestStats
 from scheduler.types import InvalidRequest, SamplingParams
 
@@ -113,6 +113,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", "prompt")
+            check_text_size("prompt", prompt, self.tokenizer, self.engine.max_model_len, self.engine.memory_tokens)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             # integer types other than int (numpy's) become ints; anything else is named by validate_prompt

@@ -25,7 +25,7 @@ from engine.core import EngineCore, StepOutput
 from engine.health import NOT_SERVING, SERVING, HealthServicer
 from engine.metrics import EngineMetrics, start_metrics_server
 from engine.reflection import add_reflection
-from engine.validation import parse_request
+from engine.validation import check_request, finish_request, undecodable_request
 from proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from proto.hybridspec.v1 import generation_pb2 as pb
 from proto.hybridspec.v1 import generation_pb2_grpc
@@ -36,6 +36,40 @@ log = logging.getLogger("hybridspec.server")
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 50051
+# text prompts longer than this (characters) are tokenized in a worker thread, with the GIL released: a long one
+# would otherwise stall every stream (~0.2 s for 120k tokens); a shorter one costs less than the thread hop
+INLINE_TOKENIZE_CHARS = 16384
+
+
+@dataclass
+class Undecodable:
+    """A Generate request whose bytes protobuf could not parse (the deserializer's stand-in: grpc answers a
+    deserializer's exception with UNKNOWN, and bad input gets INVALID_ARGUMENT naming the field)."""
+
+    error: InvalidRequest
+
+
+def decode_generate_request(data: bytes) -> "pb.GenerateRequest | Undecodable":
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except Exception as e:  # (protobuf's DecodeError; with the upb backend a bad UTF-8 string is one too)
+        return Undecodable(undecodable_request(data, e))
+
+
+def add_generation_service(servicer: "GenerationService", server: grpc.aio.Server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server with Generate's requests parsed by
+    decode_generate_request."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=decode_generate_request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats, request_deserializer=pb.GetStatsRequest.FromString,
+            response_serializer=pb.GetStatsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # (grpcio >= 1.63, as the generated code does)
+        server.add_registered_method_handlers(GENERATION_SERVICE, handlers)
 
 
 @dataclass
@@ -62,7 +96,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # scheduler; checked here so the error names the field and its range like every other)
         self.memory_tokens = core.memory_tokens
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    async def Generate(self, request: "pb.GenerateRequest | Undecodable", context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         code, message = grpc.StatusCode.OK, ""
         try:
@@ -70,8 +104,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if remaining is not None and remaining <= 0:
                 code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started"
             else:
-                parsed = parse_request(request, self.tokenizer, self.vocab_size, self.max_model_len,
-                                       self.memory_tokens)
+                if isinstance(request, Undecodable):
+                    raise request.error
+                checked = check_request(request, self.tokenizer, self.vocab_size, self.max_model_len,
+                                        self.memory_tokens)
+                text = checked.text
+                if text is None:
+                    ids = checked.ids
+                elif len(text) > INLINE_TOKENIZE_CHARS:
+                    ids = await asyncio.to_thread(self.tokenizer.encode_released, text)
+                else:
+                    ids = self.tokenizer.encode(text)
+                parsed = finish_request(checked, ids, self.max_model_len, self.memory_tokens)
                 rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
                 self.engine.check_admissible(rid)
                 completion = 0
@@ -145,7 +189,7 @@ class Server:
         opts = self.options
         self.engine.start()
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.engine), server)
+        add_generation_service(GenerationService(self.engine), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if opts.reflection:
             add_reflection(server, [GENERATION_SERVICE, HEALTH_SERVICE])

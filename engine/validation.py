@@ -16,6 +16,9 @@ from proto.hybridspec.v1 import generation_pb2 as pb
 from scheduler.types import InvalidRequest, SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
+# a normalizer may merge characters (NFC: a letter and its combining marks; Hangul jamo into one syllable, 3 -> 1):
+# check_text_size's bound allows this many input characters per character of a token
+CHARS_NORMALIZER_SLACK = 4
 DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens
 
 
@@ -52,13 +55,19 @@ def reject_unknown_fields(msg: Message, path: str = "") -> None:
             reject_unknown_fields(value, f"{path}.{fd.name}" if path else fd.name)
 
 
+def _token_limit(max_model_len: int, memory_tokens: int | None) -> tuple[int, str]:
+    """The most tokens (prompt + completion) one request may hold, and why: the model's length limit or (smaller)
+    the KV memory's capacity per request."""
+    if memory_tokens is not None and memory_tokens < max_model_len:
+        return memory_tokens, f"the KV memory's capacity of {memory_tokens} tokens per request"
+    return max_model_len, f"the model's length limit of {max_model_len} tokens"
+
+
 def check_length(field: str, prompt_len: int, max_new_tokens: int, max_model_len: int,
                  memory_tokens: int | None = None, max_new_tokens_field: str = "max_new_tokens") -> None:
     """Prompt + completion against the model's length limit and (`memory_tokens`: KV pages x page size, what one
     request may ever hold) the KV memory. `field` names the prompt's field in the message."""
-    limit, why = max_model_len, f"the model's length limit of {max_model_len} tokens"
-    if memory_tokens is not None and memory_tokens < max_model_len:
-        limit, why = memory_tokens, f"the KV memory's capacity of {memory_tokens} tokens per request"
+    limit, why = _token_limit(max_model_len, memory_tokens)
     if prompt_len >= limit:
         raise InvalidRequest(f"{field} must be shorter than {why} (at most {limit - 1} tokens), "
                              f"got {prompt_len} tokens", field)
@@ -66,6 +75,18 @@ def check_length(field: str, prompt_len: int, max_new_tokens: int, max_model_len
         raise InvalidRequest(
             f"{max_new_tokens_field} must be at most {limit - prompt_len} for this prompt ({prompt_len} tokens; "
             f"prompt + {max_new_tokens_field} must be within {why}), got {max_new_tokens}", max_new_tokens_field)
+
+
+def check_text_size(field: str, text: str, tokenizer: Tokenizer, max_model_len: int,
+                    memory_tokens: int | None = None) -> None:
+    """Refuses, before tokenizing it, a text prompt too long to fit in any case: one of n characters has at least
+    n / (tokenizer.max_chars_per_token x CHARS_NORMALIZER_SLACK) tokens. (Tokenizing 4 MB took ~9.5 s of CPU here,
+    only for the request to be refused.)"""
+    limit, why = _token_limit(max_model_len, memory_tokens)
+    most = (limit - 1) * tokenizer.max_chars_per_token * CHARS_NORMALIZER_SLACK
+    if len(text) > most:
+        raise InvalidRequest(f"{field} must be shorter than {why} (at most {limit - 1} tokens), got {len(text)} "
+                             f"characters, more than {limit - 1} tokens of this tokenizer can hold ({most})", field)
 
 
 def parse_sampling(msg: pb.SamplingParams) -> SamplingParams:
@@ -80,9 +101,21 @@ def parse_sampling(msg: pb.SamplingParams) -> SamplingParams:
         raise InvalidRequest(f"sampling.{e}", f"sampling.{e.field}") from None
 
 
-def parse_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int,
-                  max_model_len: int, memory_tokens: int | None = None) -> ParsedRequest:
-    """`memory_tokens`: the most tokens (prompt + completion) one request can ever hold in the KV pool."""
+@dataclass
+class CheckedRequest:
+    """A request with every field checked but its text prompt's tokens: `text` still to tokenize (None: `ids`,
+    the prompt_token_ids, are checked)."""
+
+    request_id: str
+    params: SamplingParams
+    field: str  # the prompt's field: "prompt" or "prompt_token_ids"
+    text: str | None
+    ids: list[int] | None
+
+
+def check_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                  memory_tokens: int | None = None) -> CheckedRequest:
+    """Every check that needs no tokenization (a text prompt's size against the most any prompt may hold too)."""
     reject_unknown_fields(request)
     rid = request.request_id
     if len(rid) > MAX_REQUEST_ID_LEN:
@@ -94,18 +127,94 @@ def parse_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size:
                              "token ids) must be set, got " + ("both" if has_text else "neither"), "prompt")
     params = parse_sampling(request.sampling)
     if has_text:
-        field = "prompt"
         if not request.prompt:
             raise InvalidRequest("prompt must not be empty", "prompt")
-        ids = tokenizer.encode(request.prompt)
-        if not ids:
-            raise InvalidRequest("prompt must encode to at least one token", "prompt")
-    else:
-        field = "prompt_token_ids"
-        ids = list(request.prompt_token_ids)
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab_size:
-                raise InvalidRequest(f"prompt_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t}",
-                                     "prompt_token_ids")
-    check_length(field, len(ids), params.max_new_tokens, max_model_len, memory_tokens, "sampling.max_new_tokens")
-    return ParsedRequest(rid, ids, params)
+        check_text_size("prompt", request.prompt, tokenizer, max_model_len, memory_tokens)
+        return CheckedRequest(rid, params, "prompt", request.prompt, None)
+    ids = list(request.prompt_token_ids)
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"prompt_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t}",
+                                 "prompt_token_ids")
+    return CheckedRequest(rid, params, "prompt_token_ids", None, ids)
+
+
+def finish_request(checked: CheckedRequest, ids: list[int], max_model_len: int,
+                   memory_tokens: int | None = None) -> ParsedRequest:
+    """A checked request with its prompt's token ids (the text's, tokenized): the length checks."""
+    if checked.text is not None and not ids:
+        raise InvalidRequest("prompt must encode to at least one token", "prompt")
+    check_length(checked.field, len(ids), checked.params.max_new_tokens, max_model_len, memory_tokens,
+                 "sampling.max_new_tokens")
+    return ParsedRequest(checked.request_id, ids, checked.params)
+
+
+def undecodable_request(data: bytes, error: Exception) -> InvalidRequest:
+    """What a GenerateRequest that protobuf cannot parse is told, naming the field where it can: a string field
+    (prompt, request_id, sampling.stop[i]) whose bytes are not UTF-8, else the message as a whole."""
+    field = _bad_utf8_field(data)
+    if field is not None:
+        return InvalidRequest(f"{field} must be valid UTF-8 text (proto3 string)", field)
+    return InvalidRequest(f"request could not be parsed as a {pb.GenerateRequest.DESCRIPTOR.full_name} "
+                          f"({type(error).__name__}: {error})", "request")
+
+
+def _bad_utf8_field(data: bytes) -> str | None:
+    """The first string field of a serialized GenerateRequest (walking the wire format by the .proto's field numbers)
+    whose bytes are not UTF-8; None where none is found (or the wire itself is broken)."""
+    strings = {1: "request_id", 2: "prompt"}  # GenerateRequest's string fields by number; 4: sampling
+    try:
+        for number, value in _length_delimited(data):
+            if number in strings:
+                value.decode("utf-8")
+            elif number == 4:
+                stops = 0
+                for n, v in _length_delimited(value):
+                    if n == 5:  # SamplingParams.stop
+                        try:
+                            v.decode("utf-8")
+                        except UnicodeDecodeError:
+                            return f"sampling.stop[{stops}]"
+                        stops += 1
+    except UnicodeDecodeError:
+        return strings[number]
+    except ValueError:
+        return None
+    return None
+
+
+def _length_delimited(data: bytes):
+    """(field number, bytes) of each length-delimited field of a serialized message, skipping the others;
+    ValueError on a broken wire."""
+
+    def varint(i: int) -> tuple[int, int]:
+        shift = result = 0
+        while True:
+            if i >= len(data) or shift > 63:
+                raise ValueError("truncated varint")
+            b = data[i]
+            result |= (b & 0x7F) << shift
+            i, shift = i + 1, shift + 7
+            if not b & 0x80:
+                return result, i
+
+    i = 0
+    while i < len(data):
+        key, i = varint(i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = varint(i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = varint(i)
+            if i + n > len(data):
+                raise ValueError("truncated field")
+            yield number, data[i:i + n]
+            i += n
+        else:
+            raise ValueError(f"wire type {wire}")
+        if i > len(data):
+            raise ValueError("truncated field")

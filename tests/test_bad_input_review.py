@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import engine.server
+import engine.validation
 from clients.cli import stream_generate
 from clients.client import GenerationClient, build_request
 from engine import LLM, SamplingParams
@@ -117,14 +118,14 @@ def test_grpc_unknown_fields_are_refused_naming_them(llm):
 
 def test_grpc_unexpected_error_is_internal_and_the_server_serves_on(llm, monkeypatch):
     """Before: the exception escaped the handler: the client got UNKNOWN and the server counted the RPC as OK."""
-    real = engine.server.parse_request
+    real = engine.server.check_request
 
     def parse(request, *args, **kwargs):
         if request.request_id == "boom":
             raise RuntimeError("tokenizer exploded")
         return real(request, *args, **kwargs)
 
-    monkeypatch.setattr(engine.server, "parse_request", parse)
+    monkeypatch.setattr(engine.server, "check_request", parse)
 
     async def main() -> None:
         async with serving(llm.engine) as (server, target), grpc.aio.insecure_channel(target) as channel:
@@ -280,7 +281,7 @@ TIMEOUT_RANGE = "--timeout must be a finite number of seconds > 0"
     (["generate", "hi", "--server", "127.0.0.1:1", "--wait", "-5"], "--wait must be a finite number of seconds >= 0"),
     (["generate", "hi", "--server", "127.0.0.1:1", "--wait", "nan"], "--wait must be"),
     (["generate", "hi", "--server", "127.0.0.1:1", "--top-k", "3000000000"], "sampling.top_k must be an integer <="),
-    (["generate", "hi", "--server", "127.0.0.1:1", "--temperature", "inf"], "temperature must be a finite number"),
+    (["generate", "hi", "--server", "127.0.0.1:1", "--temperature", "inf"], "--temperature must be a finite number"),
     # gRPC would dial port 99999 - 65536 = 34463, and 443 without a port
     (["generate", "hi", "--server", "127.0.0.1:99999"], "--server must be HOST:PORT with a port in 1..65535"),
     (["generate", "hi", "--server", "localhost"], "--server must be HOST:PORT with a port in 1..65535"),
@@ -427,3 +428,130 @@ def test_engine_config_refuses_sizes_that_are_not_positive_integers(name, value)
     with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
         EngineConfig(**{name: value}).validate()
     EngineConfig(num_pages=None, max_model_len=None).validate()  # None: the engine sizes them
+
+
+# ---- gRPC: bytes protobuf cannot parse, and prompts too long to tokenize ------------------------------------
+
+async def _raw_status(channel, data: bytes) -> tuple[grpc.StatusCode, str]:
+    """Generate with `data` as the request's wire bytes (what a client with another encoder may send)."""
+    call = channel.unary_stream("/hybridspec.v1.Generation/Generate", request_serializer=lambda b: b,
+                                response_deserializer=pb.GenerateResponse.FromString)
+    try:
+        async for _ in call(data, timeout=30):
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _string_field(number: int, raw: bytes) -> bytes:
+    assert number < 16 and len(raw) < 128
+    return bytes([number << 3 | 2, len(raw)]) + raw
+
+
+def test_grpc_undecodable_bytes_are_invalid_argument_naming_the_field(llm, caplog):
+    """Before: grpc's own deserializer raised, and the client got UNKNOWN with protobuf's DecodeError (a
+    traceback in the server's log, the RPC counted nowhere)."""
+    good = _req("hi", max_new_tokens=2).SerializeToString()
+    stop_ok, stop_bad = _string_field(5, b"ok"), _string_field(5, b"\xff\xfe")
+    cases = [
+        (_string_field(2, b"\xff\xfe"), "prompt must be valid UTF-8"),
+        (_string_field(1, b"id\xc3") + _string_field(2, b"hi"), "request_id must be valid UTF-8"),
+        (_string_field(2, b"hi") + _string_field(4, stop_ok + stop_bad), "sampling.stop[1] must be valid UTF-8"),
+        (b"\xff\xff\xff", "request could not be parsed as a hybridspec.v1.GenerateRequest"),
+        (_string_field(2, b"hi")[:-1] + b"", "request could not be parsed"),  # truncated
+    ]
+
+    async def main() -> None:
+        async with serving(llm.engine) as (server, target), grpc.aio.insecure_channel(target) as channel:
+            for data, message in cases:
+                code, details = await _raw_status(channel, data)
+                assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(message), (data, details)
+            assert await _raw_status(channel, good) == (grpc.StatusCode.OK, "")
+            assert server.metrics.rpcs["INVALID_ARGUMENT"] == len(cases) and server.metrics.rpcs["OK"] == 1
+
+    with caplog.at_level(logging.ERROR):
+        run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_grpc_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(llm, monkeypatch):
+    """A text prompt that cannot fit whatever its tokens is refused without tokenizing it (4 MB took ~9.5 s of
+    CPU, during which every stream stalled); a long one that may fit is tokenized in a worker thread."""
+    import threading
+
+    tokenizer = llm.engine.tokenizer
+    most = (MEMORY_TOKENS - 1) * tokenizer.max_chars_per_token * engine.validation.CHARS_NORMALIZER_SLACK
+    threads: list[int] = []
+
+    def never(text):
+        raise AssertionError(f"a {len(text)}-character prompt was tokenized")
+
+    def released(text):
+        threads.append(threading.get_ident())
+        return real_released(text)
+
+    real_released = tokenizer.encode_released
+    monkeypatch.setattr(engine.server, "INLINE_TOKENIZE_CHARS", 8)
+
+    async def main() -> None:
+        async with serving(llm.engine) as (server, target), grpc.aio.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            monkeypatch.setattr(tokenizer, "encode", never)
+            monkeypatch.setattr(tokenizer, "encode_released", never)
+            code, details = await _status(stub, _req("y" * (most + 1), max_new_tokens=1))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT
+            assert details.startswith(f"prompt must be shorter than the KV memory's capacity of {MEMORY_TOKENS} "
+                                      f"tokens per request (at most {MEMORY_TOKENS - 1} tokens), got {most + 1} "
+                                      f"characters"), details
+            monkeypatch.setattr(tokenizer, "encode_released", released)
+            ok = [m async for m in stub.Generate(_req("long enough", max_new_tokens=3, ignore_eos=True), timeout=30)]
+            assert ok[-1].usage.prompt_tokens == len("long enough") and ok[-1].usage.completion_tokens == 3
+            assert threads and threads[0] != threading.get_ident()  # not the event loop's thread
+
+    run(main())
+
+
+def test_tokenizer_encode_released_equals_encode(llm):
+    tokenizer = llm.engine.tokenizer
+    for text in ("", "hi", "<|endoftext|> and more", "ünïcödé " * 50):
+        assert tokenizer.encode_released(text) == tokenizer.encode(text)
+    assert tokenizer.max_chars_per_token == len("<|endoftext|>")  # the byte tokenizer: 1, and its added token
+
+
+def test_llm_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(llm, monkeypatch):
+    most = (MEMORY_TOKENS - 1) * llm.engine.tokenizer.max_chars_per_token * engine.validation.CHARS_NORMALIZER_SLACK
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text: pytest.fail("tokenized"))
+    with pytest.raises(InvalidRequest, match=rf"^prompt must be shorter .* got {most + 1} characters") as err:
+        llm.generate("z" * (most + 1), SamplingParams(max_new_tokens=1))
+    assert err.value.field == "prompt"
+
+
+# ---- engine options the model or the other options contradict ------------------------------------------------
+
+def test_llm_max_model_len_beyond_the_models_positions_is_refused():
+    """Before: accepted, and positions the model was never trained for were served."""
+    with pytest.raises(ValueError, match=r"^max_model_len must be at most the model's max_position_embeddings "
+                                         r"\(4096, .*config.json\) or None, got 100000$"):
+        LLM(max_model_len=100000)
+
+
+def test_llm_device_of_another_type_is_named():
+    """Before: AttributeError 'int' object has no attribute 'startswith'."""
+    with pytest.raises(ValueError, match=r"^device must be one of \('cpu', 'cuda'\) \(or cuda:N\), got 0$"):
+        LLM(device=0)
+
+
+def test_a_drafter_under_policy_ar_is_announced(caplog):
+    with caplog.at_level(logging.WARNING, logger="hybridspec.engine"):
+        LLM(spec="ngram", policy="ar", max_running=1)
+    assert any("policy 'ar' verifies no drafts: the 'ngram' drafter is loaded but never drafts" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_cli_names_the_flag_where_the_engine_names_its_parameter(capsys):
+    from engine.cli import main
+
+    assert main(["serve", "--port", "0", "--max-verify-len", "17"]) == 2
+    err = capsys.readouterr().err
+    assert "hybridspec: error: --max-verify-len must be an integer between 1 and 16, got 17" in err, err

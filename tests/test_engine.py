@@ -129,7 +129,7 @@ def test_cli_generate_in_process_streams_text():
 def test_cli_reports_bad_input_with_the_field():
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "x", "--max-new-tokens", "0"],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "max_new_tokens must be between 1 and 8192, got 0" in proc.stderr
+    assert proc.returncode == 2 and "error: --max-new-tokens must be between 1 and 8192, got 0" in proc.stderr
 
 
 def test_a_started_worker_freezes_its_heap_and_later_garbage_is_still_collected(llm):
