@@ -136,6 +136,10 @@ class EngineCore:
             freeze_heap=config.freeze_heap if config.freeze_heap is not None else config.device.startswith("cuda"),
             graph_pages_per_request=-(-self.max_model_len // config.page_size) if config.cuda_graphs else 0))
         self.live: dict[str, _Live] = {}
+        # an abort that arrives while a step runs (a stream's cleanup run by the garbage collector inside it) waits
+        # for the step's end: the step reads self.live of every request it planned
+        self._stepping = False
+        self._deferred_aborts: list[str] = []
         self.policy_stats: dict[str, float] = {}  # the worker's latest latency-model / calibration errors
 
     def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
@@ -178,6 +182,9 @@ class EngineCore:
         return request
 
     def abort(self, request_id: str) -> None:
+        if self._stepping:
+            self._deferred_aborts.append(request_id)
+            return
         live = self.live.pop(request_id, None)
         if live is not None and not live.request.finished:
             self.scheduler.finish(live.request, "abort")
@@ -207,6 +214,18 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self._stepping:
+            raise RuntimeError("EngineCore.step called while a step runs (one engine, one step at a time)")
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+            deferred, self._deferred_aborts = self._deferred_aborts, []
+            for rid in deferred:
+                self.abort(rid)
+
+    def _step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []

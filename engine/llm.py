@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,6 +21,12 @@ AVAILABLE_SPEC = ("off", "ngram", "draft", "mtp", "replay")
 AVAILABLE_POLICIES = POLICIES
 
 
+class RequestFailed(RuntimeError):
+    """A request of this LLM was aborted because a step of the engine failed while it ran (an exception or an
+    interrupt in another call's step): its worker state (KV pages, GDN state) may be half-updated, so it is not
+    continued. The call whose step failed gets that step's own exception."""
+
+
 @dataclass
 class GenerateResult:
     prompt_token_ids: list[int]
@@ -30,6 +37,10 @@ class GenerateResult:
 
 
 class LLM:
+    """One engine in this process. generate and stream may be called from several threads and several streams may
+    be open at once: the engine steps one step at a time for all of them (a lock), and each call gets exactly its
+    own requests' outputs."""
+
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", spec: str = "off",
                  policy: str = "hybridspec", max_verify_len: int = 16, draft_model: str | None = None,
                  **engine_options):
@@ -59,6 +70,10 @@ class LLM:
         # outputs of this LLM's requests in flight not yet consumed: several streams (and generate calls) may be
         # open at once, and each step's outputs go to their own request's buffer, none dropped
         self._outputs: dict[str, list[StepOutput]] = {}
+        self._failed: dict[str, RequestFailed] = {}  # requests aborted by a failed step, to raise in their calls
+        # one engine, one step at a time: generate / stream may be called from several threads (each call steps
+        # the engine for every request under this lock; a stream holds it only between its outputs)
+        self._lock = threading.RLock()
         self.last_stream_tokens: list[int] = []  # the tokens of the latest stream() started
 
     def set_replay_reference(self, prompt: str | list[int], continuation: list[int]) -> None:
@@ -75,35 +90,75 @@ class LLM:
         rid, ids = f"llm-{next(self._ids)}", self._prompt_ids(prompt)
         self._check_length(ids, params)
         self.last_stream_tokens = tokens = []
-        self._add(rid, ids, params)
+        with self._lock:
+            self._add(rid, ids, params)
         try:
             while True:
-                pending = self._outputs[rid]
-                if not pending:
-                    if not self.engine.has_work():
-                        return
-                    self._step()
-                    continue
-                out = pending.pop(0)
+                with self._lock:
+                    out = self._next_output(rid)
+                if out is None:
+                    return
                 tokens.extend(out.new_token_ids)
                 yield out
                 if out.finished:
                     return
         finally:
-            self._outputs.pop(rid, None)
-            self.engine.abort(rid)
+            with self._lock:
+                self._forget(rid)
+
+    def _next_output(self, rid: str) -> StepOutput | None:
+        """The request's next output, stepping the engine until there is one (None: the engine has no work left
+        and none came: aborted through llm.engine). Raises RequestFailed where a failed step aborted it."""
+        while True:
+            self._raise_if_failed(rid)
+            pending = self._outputs[rid]
+            if pending:
+                return pending.pop(0)
+            if not self.engine.has_work():
+                return None
+            self._step()
+
+    def _raise_if_failed(self, rid: str) -> None:
+        error = self._failed.get(rid)
+        if error is not None:
+            raise error
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         self.engine.add_request(rid, ids, params)
         self._outputs[rid] = []
 
+    def _forget(self, rid: str) -> None:
+        """The request's call ended: its buffer goes, and the engine frees whatever it still holds (a no-op for
+        a finished request; an abort that the garbage collector runs inside a step waits for the step's end)."""
+        self._outputs.pop(rid, None)
+        self._failed.pop(rid, None)
+        self.engine.abort(rid)
+
     def _step(self) -> None:
         """One engine step; each output goes to its request's buffer (outputs of requests this LLM did not add,
-        e.g. through llm.engine directly, are theirs to collect and are not kept here)."""
-        for out in self.engine.step():
+        e.g. through llm.engine directly, are theirs to collect and are not kept here). A step that raises (an
+        error, KeyboardInterrupt) has left the running requests' worker state unknown: every running request is
+        aborted (as the server does), this LLM's others get RequestFailed in their calls, and the exception goes
+        on to this call."""
+        try:
+            outputs = self.engine.step()
+        except BaseException as e:
+            self._fail_running(e)
+            raise
+        for out in outputs:
             pending = self._outputs.get(out.request_id)
             if pending is not None:
                 pending.append(out)
+
+    def _fail_running(self, error: BaseException) -> None:
+        try:
+            failed = self.engine.fail_running()
+        except Exception:  # the core is in an unknown state: no call may go on stepping its requests
+            failed = list(self.engine.live)
+        for rid in failed:
+            if rid in self._outputs:
+                self._failed[rid] = RequestFailed(f"request {rid} was aborted: a step of the engine failed while it "
+                                                  f"ran ({type(error).__name__}: {error})")
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
         engine = self.engine
@@ -146,25 +201,28 @@ class LLM:
         texts: dict[str, list[str]] = {rid: [] for rid, _, _ in requests}
         results: dict[str, GenerateResult] = {}
         try:
-            for rid, ids, p in requests:
-                self._add(rid, ids, p)
+            with self._lock:
+                for rid, ids, p in requests:
+                    self._add(rid, ids, p)
             while True:
-                for rid, _, _ in requests:
-                    for out in self._outputs.get(rid, ()):
-                        tokens[rid].extend(out.new_token_ids)
-                        texts[rid].append(out.new_text)
-                        if out.finished:
-                            results[rid] = GenerateResult([], tokens[rid], "".join(texts[rid]), out.finish_reason,
-                                                          out.stats or RequestStats())
-                    if rid in self._outputs:
-                        self._outputs[rid].clear()
-                if len(results) == len(requests) or not self.engine.has_work():
-                    break
-                self._step()
+                with self._lock:
+                    for rid, _, _ in requests:
+                        self._raise_if_failed(rid)
+                        for out in self._outputs.get(rid, ()):
+                            tokens[rid].extend(out.new_token_ids)
+                            texts[rid].append(out.new_text)
+                            if out.finished:
+                                results[rid] = GenerateResult([], tokens[rid], "".join(texts[rid]),
+                                                              out.finish_reason, out.stats or RequestStats())
+                        if rid in self._outputs:
+                            self._outputs[rid].clear()
+                    if len(results) == len(requests) or not self.engine.has_work():
+                        break
+                    self._step()
         finally:
-            for rid, _, _ in requests:
-                self._outputs.pop(rid, None)
-                self.engine.abort(rid)  # frees whatever an exception left behind; no-op for finished ones
+            with self._lock:
+                for rid, _, _ in requests:
+                    self._forget(rid)  # frees whatever an exception left behind; no-op for finished ones
         for rid, ids, _ in requests:
             if rid not in results:  # ended without a final output (aborted through llm.engine)
                 results[rid] = GenerateResult([], tokens[rid], "".join(texts[rid]), "abort")

@@ -449,3 +449,100 @@ def test_drain_and_shutdown_end_every_active_stream_and_free_everything():
 
     run(main(), timeout=60.0)
 
+
+
+# ---- the Python API (LLM): a failed step, an abort inside a step, several threads ----------------------------
+
+@pytest.fixture(scope="module")
+def llm_ngram():
+    from engine import LLM
+
+    return LLM(spec="ngram", policy="fixed", max_verify_len=4)
+
+
+LLM_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2, 3, 4]
+
+
+def _llm_free(llm) -> bool:
+    s = llm.engine.stats()
+    return s["free_pages"] == s["total_pages"] and s["free_slots"] == s["total_slots"] and not llm.engine.live
+
+
+def test_llm_step_failure_aborts_the_other_open_streams_instead_of_corrupting_them(llm_ngram):
+    """Before: a step that raised (an interrupt, an OOM) after the forward left the other open streams running on
+    half-updated state: wrong tokens without speculation, a ValueError from the page table with it."""
+    from engine.llm import RequestFailed
+
+    llm = llm_ngram
+    p = greedy(20)
+    stream = llm.stream(LLM_PROMPT, p)
+    first = next(stream).new_token_ids
+    real = llm.engine.executor.execute
+
+    def boom(requests):
+        real(requests)
+        raise KeyboardInterrupt
+
+    llm.engine.executor.execute = boom
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([7, 8, 9], p)
+    finally:
+        llm.engine.executor.execute = real
+    with pytest.raises(RequestFailed, match=r"^request llm-\d+ was aborted: a step of the engine failed while it ran "
+                                            r"\(KeyboardInterrupt"):
+        next(stream)
+    assert first and _llm_free(llm)
+    alone = llm.generate(LLM_PROMPT, p)[0].token_ids  # the engine serves on, exactly
+    assert alone[:len(first)] == first and len(alone) == 20 and _llm_free(llm)
+
+
+def test_llm_stream_collected_inside_a_step_is_aborted_after_the_step(llm_ngram, monkeypatch):
+    """Before: a stream abandoned in a reference cycle, finalized by the garbage collector inside another call's
+    step, removed its request from the engine mid-step: KeyError in that unrelated call."""
+    llm = llm_ngram
+    p = greedy(12)
+    reference = llm.generate([7, 8, 9], p)[0].token_ids
+    stream = llm.stream(LLM_PROMPT, p)
+    next(stream)
+    real = llm.engine.executor.execute
+
+    def execute_then_collect(requests):
+        result = real(requests)
+        stream.close()  # what the collector does to an unreachable generator (its finally runs here)
+        return result
+
+    monkeypatch.setattr(llm.engine.executor, "execute", execute_then_collect)
+    assert llm.generate([7, 8, 9], p)[0].token_ids == reference
+    monkeypatch.setattr(llm.engine.executor, "execute", real)
+    assert _llm_free(llm)
+
+
+def test_llm_called_from_several_threads_gives_every_call_its_own_exact_output(llm_ngram):
+    """Before: the threads' steps interleaved on one engine: KeyError in every call."""
+    import threading
+
+    llm = llm_ngram
+    prompts = [[7, 8, 9], LLM_PROMPT, [40, 41, 40, 41], [5] * 6]
+    expected = {i: llm.generate(q, greedy(10 + i))[0].token_ids for i, q in enumerate(prompts)}
+    got: dict[tuple[int, int], list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for k in range(3):
+                if k == 1:  # a stream among the generate calls
+                    got[(i, k)] = [t for o in llm.stream(prompts[i], greedy(10 + i)) for t in o.new_token_ids]
+                else:
+                    got[(i, k)] = llm.generate(prompts[i], greedy(10 + i))[0].token_ids
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert got == {(i, k): expected[i] for i in range(len(prompts)) for k in range(3)}
+    assert _llm_free(llm)
