@@ -93,6 +93,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._idle = asyncio.Event()
         self.last_stats: dict[str, int] = core.stats()
+        self.metrics.observe_occupancy(self.last_stats)  # (the gauges read the pools before the first step too)
 
     # ---- lifecycle (event loop) -------------------------------------------------------------------------
     def start(self) -> None:

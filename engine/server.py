@@ -132,8 +132,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
         except EngineFailed as e:
             code, message = grpc.StatusCode.INTERNAL, str(e)
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed (grpc cancels the handler)
+            remaining = context.time_remaining()
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else \
+                grpc.StatusCode.CANCELLED
             raise
         except Exception as e:  # a bug: this request fails with INTERNAL (and is counted so); the server serves on
             log.exception("Generate failed")

@@ -7,8 +7,10 @@
                        --config "name=ngram:--spec ngram --policy fixed" [--serve-args "MODEL_DIR --device cuda"]
                        [load options] [--out DIR]
 
-Exit status: 0 done (the errors the server returned are in the result), 1 the server could not be reached (or,
-with --fail-on-error, an error other than CANCELLED occurred; a sweep: a server failed), 2 invalid options,
+Exit status: 0 done (the errors the server returned are in the result), 1 the server could not be reached, before
+the load or after it (then the results are written: the requests it lost are errors), or with --fail-on-error an
+error other than CANCELLED occurred (a server's aborted stream is ABORTED), or a sweep's server failed; 2 invalid
+options,
 130 interrupted by Ctrl-C (no new requests were sent, those in flight finished, the results were written).
 """
 
@@ -115,7 +117,8 @@ def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace, sweep: bool) -> LoadConfig:
     return LoadConfig(
-        concurrency=None if sweep else (args.concurrency if args.concurrency or args.rate is not None else 1),
+        concurrency=None if sweep else (args.concurrency if args.concurrency is not None or args.rate is not None
+                                         else 1),
         rate=None if sweep else args.rate, requests=args.requests, duration=args.duration, prompts=args.prompts,
         prompt_len_dist=args.prompt_len_dist, max_new_tokens=args.max_new_tokens,
         max_new_tokens_dist=args.max_new_tokens_dist, cancel_fraction=args.cancel_fraction, seed=args.seed,
@@ -152,6 +155,10 @@ async def _run(args: argparse.Namespace) -> int:
     print(f"results in {out}/")
     if result["interrupted"]:
         return 130
+    lost = result["server_stats"].get("after_error")
+    if lost:  # the server went away during the run: the records are written, the exit says it was lost
+        print(f"loadtest: error: the server could not be reached after the load ({lost})", file=sys.stderr)
+        return 1
     if args.fail_on_error and any(k != grpc.StatusCode.CANCELLED.name for k in result["errors"]):
         return 1
     return 0

@@ -7,9 +7,12 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 from clients.client import GenerationClient
 from loadtest import metrics, plots
@@ -18,6 +21,7 @@ from loadtest.runner import Sampling, drive
 from loadtest.workload import LengthDist, Workload, load_prompts
 
 RESULT_VERSION = 1
+INT32_MAX = 2**31 - 1  # the wire's top_k (int32)
 
 
 @dataclass
@@ -50,10 +54,10 @@ class LoadConfig:
     DEFAULT_REQUESTS = 100
 
     def check(self) -> None:
-        """Raises ValueError naming the first bad option."""
+        """Raises ValueError naming the first bad option (NaN and infinities are bad values too)."""
         def positive(name: str, value, allow_none: bool = True) -> None:
-            if (value is None and not allow_none) or (value is not None and value <= 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+            if (value is None and not allow_none) or (value is not None and not 0 < value < math.inf):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
 
         positive("concurrency", self.concurrency, allow_none=self.rate is not None)
         for name in ("rate", "requests", "duration", "timeout", "slo_ttft_ms", "slo_tpot_ms", "max_new_tokens",
@@ -61,11 +65,24 @@ class LoadConfig:
             positive(name, getattr(self, name))
         if not 0.0 <= self.cancel_fraction <= 1.0:
             raise ValueError(f"--cancel-fraction must be in [0, 1], got {self.cancel_fraction}")
-        if self.warmup < 0 or self.wait < 0:
-            raise ValueError("--warmup and --wait must be >= 0")
-        LengthDist.parse(self.prompt_len_dist)
-        if self.max_new_tokens_dist:
-            LengthDist.parse(self.max_new_tokens_dist)
+        for name in ("warmup", "wait"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"--{name} must be a finite number >= 0, got {value}")
+        # the server's ranges (scheduler.types.SamplingParams), checked before any load is sent
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"--top-k must be an integer in [0, {INT32_MAX}] (0 disables it), got {self.top_k}")
+        for option, spec in (("--prompt-len-dist", self.prompt_len_dist),
+                             ("--max-new-tokens-dist", self.max_new_tokens_dist)):
+            if spec is not None:
+                try:
+                    LengthDist.parse(spec)
+                except ValueError as e:
+                    raise ValueError(f"{option}: {e}") from None
         if self.prompts and not Path(self.prompts).is_file():
             raise ValueError(f"--prompts: no such file: {self.prompts}")
 
@@ -123,7 +140,10 @@ async def run_load(target: str, cfg: LoadConfig, out_dir: str | Path, *, label: 
         progress = Progress(n, cfg.duration, label=label, enabled=cfg.progress)
         records = await drive(clients, workload, sampling, concurrency=cfg.concurrency, rate=cfg.rate, requests=n,
                               duration=cfg.duration, seed=cfg.seed, progress=progress, stop=stop)
-        after = stats_dict(await clients[0].stats())
+        try:
+            after, after_error = stats_dict(await clients[0].stats()), None
+        except grpc.aio.AioRpcError as e:  # the server died or stopped during the run: its requests' records stay
+            after, after_error = None, f"{e.code().name}: {e.details() or ''}"
     finally:
         for c in clients:
             await c.close()
@@ -139,7 +159,9 @@ async def run_load(target: str, cfg: LoadConfig, out_dir: str | Path, *, label: 
         "interrupted": bool(stop and stop.is_set()),
         **metrics.summarize(records, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
         "server_stats": {"before": before, "after": after,
-                         "delta": {k: after[k] - before[k] for k in after if k.endswith("_total")}},
+                         "delta": None if after is None else
+                         {k: after[k] - before[k] for k in after if k.endswith("_total")},
+                         **({"after_error": after_error} if after_error else {})},
         "config": dataclasses.asdict(cfg),
         "files": ["result.json", "requests.jsonl"],
     }

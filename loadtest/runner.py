@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from clients.client import GenerationClient
-from loadtest.metrics import RequestRecord
+from loadtest.metrics import ABORTED, RequestRecord
 from loadtest.progress import Progress
 from loadtest.workload import RequestSpec, Workload
 
@@ -50,6 +50,8 @@ async def run_one(client: GenerationClient, spec: RequestSpec, sampling: Samplin
                     rec.chunk_tokens.append(len(chunk.token_ids))
                 if chunk.finished:
                     rec.finish_reason = chunk.finish_reason
+                    if chunk.finish_reason == "abort":  # the server ended it (draining, a failed step): no completion
+                        rec.status, rec.detail = ABORTED, "the server aborted the stream (finish_reason abort)"
                     if chunk.usage is not None:
                         u = chunk.usage
                         rec.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,

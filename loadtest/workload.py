@@ -8,6 +8,7 @@ send the same requests in the same order.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ class LengthDist:
             values = [float(x) for x in nums]
         except ValueError:
             raise ValueError(f"length distribution {spec!r}: not a number; expected {DIST_HELP}") from None
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError(f"length distribution {spec!r}: the numbers must be finite")
         if kind in ("fixed", "uniform") and any(v != int(v) or v < 1 for v in values):
             raise ValueError(f"length distribution {spec!r}: lengths must be integers >= 1")
         if kind == "uniform" and values[0] > values[1]:

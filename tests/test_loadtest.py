@@ -255,3 +255,95 @@ def test_parse_config():
     for bad in ("name=ngram", "name=a/b:--spec off", "name=:--spec off"):
         with pytest.raises(ValueError):
             parse_config(bad)
+
+
+# ---------------------------------------------------------------------- review: bad options, aborts, a lost server
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "--concurrency must be a finite number > 0, got 0"),  # was silently 1
+    (["--rate", "nan"], "--rate must be a finite number > 0, got nan"),  # every arrival at once, NaN in the JSON
+    (["--duration", "inf"], "--duration must be a finite number > 0, got inf"),
+    (["--warmup", "-1"], "--warmup must be a finite number >= 0, got -1"),
+    (["--wait", "nan"], "--wait must be a finite number >= 0, got nan"),
+    (["--prompt-len-dist", "exp:inf"], "--prompt-len-dist: length distribution 'exp:inf': the numbers must be finite"),
+    (["--prompt-len-dist", "uniform:5:2"], "--prompt-len-dist: length distribution 'uniform:5:2': LO > HI"),
+    (["--max-new-tokens-dist", "fixed:0"], "--max-new-tokens-dist: length distribution 'fixed:0'"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1"),
+    (["--top-p", "2"], "--top-p must be in (0, 1], got 2"),
+    (["--top-k", "-5"], "--top-k must be an integer in [0, 2147483647] (0 disables it), got -5"),
+    (["--top-k", "3000000000"], "--top-k must be an integer in [0, 2147483647]"),
+])
+def test_bad_load_options_exit_2_naming_the_option(argv, message, capsys):
+    """Before: these were accepted, and every request then failed on the server (rc 0), or ran a different load."""
+    from loadtest.cli import main
+
+    assert main(["--server", "127.0.0.1:1", "--wait", "0", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+class _Chunk:
+    def __init__(self, tokens: list[int], finished: bool = False, reason: str | None = None):
+        self.token_ids, self.finished, self.finish_reason, self.usage = tokens, finished, reason, None
+
+
+class _AbortingClient:
+    """A stream that the server ends with finish_reason "abort" (it drained, or a step failed)."""
+
+    def generate(self, prompt, **kwargs):
+        async def chunks():
+            yield _Chunk([1])
+            yield _Chunk([2, 3])
+            yield _Chunk([], finished=True, reason="abort")
+        return chunks()
+
+
+def test_a_stream_the_server_aborted_is_an_error_not_a_completion():
+    """Before: gRPC status OK, so it counted as completed (requests_per_s, TPOT, E2E, goodput)."""
+    from loadtest.metrics import ABORTED
+    from loadtest.runner import Sampling, run_one
+    from loadtest.workload import RequestSpec
+
+    rec = run(run_one(_AbortingClient(), RequestSpec(index=0, prompt=[1, 2], max_new_tokens=8, cancel_after_chunks=None, seed=None), Sampling()))
+    assert rec.status == ABORTED and rec.finish_reason == "abort" and rec.output_tokens == 3
+    assert not rec.ok and rec.tpot is None and rec.e2e is None
+    summary = summarize([rec, _record(1, 0.01, 0.002)])
+    assert summary["completed"] == 1 and summary["errors"] == {ABORTED: 1}
+    assert summary["goodput"]["good_requests"] == 1 and summary["tpot_ms"]["count"] == 1
+
+
+def test_a_server_lost_during_the_load_keeps_the_records_and_exits_1(tmp_path, monkeypatch, capsys):
+    """Before: the GetStats after the load raised, and nothing was written (rc 1, an empty directory)."""
+    import grpc
+
+    import loadtest.cli
+    import loadtest.run
+    from proto.hybridspec.v1 import generation_pb2 as pb
+
+    class Gone:
+        calls = 0
+
+        async def stats(self):
+            Gone.calls += 1
+            if Gone.calls > 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "failed to connect to all addresses")
+            return pb.GetStatsResponse(vocab_size=100, max_model_len=64, requests_total=5)
+
+        async def close(self):
+            pass
+
+    async def drive(*args, **kwargs):
+        lost = RequestRecord(index=1, start=1.0, end=1.5, status="UNAVAILABLE", detail="the server went away")
+        return [_record(0, 0.01, 0.002), lost]
+
+    monkeypatch.setattr(loadtest.run, "_clients", lambda target, n: [Gone()])
+    monkeypatch.setattr(loadtest.run, "drive", drive)
+    out = tmp_path / "lost"
+    assert loadtest.cli.main(["--server", "127.0.0.1:1", "--wait", "0", "--requests", "2", "--no-plots",
+                              "--no-progress", "--out", str(out)]) == 1
+    assert "the server could not be reached after the load (UNAVAILABLE" in capsys.readouterr().err
+    result = json.loads((out / "result.json").read_text())
+    assert result["completed"] == 1 and result["errors"] == {"UNAVAILABLE": 1}
+    assert result["server_stats"]["after"] is None and result["server_stats"]["delta"] is None
+    assert result["server_stats"]["after_error"].startswith("UNAVAILABLE: failed to connect")
+    assert len((out / "requests.jsonl").read_text().splitlines()) == 2

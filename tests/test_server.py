@@ -150,8 +150,23 @@ def test_deadline_exceeded_frees_the_request(llm):
                 s = await client.stats()
                 return s.free_pages == s.total_pages and s.running_requests == 0 and s.waiting_requests == 0
             await eventually(free, 5.0, "pages freed after the deadline")
+            # counted as what the client saw (was CANCELLED: grpc cancels the handler at the deadline)
+            await eventually(lambda: _true(server.metrics.rpcs["DEADLINE_EXCEEDED"] == 1), 5.0, "the RPC counted")
+            assert server.metrics.rpcs["CANCELLED"] == 0
 
     run(main())
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def test_occupancy_gauges_read_the_pools_before_the_first_step(llm):
+    """Before: an idle server's /metrics said 0 pages and slots (free and total) until its first step."""
+    server = Server(llm.engine, ServeOptions(port=0))
+    stats, text = llm.engine.stats(), server.metrics.render()
+    for name in ("free_pages", "total_pages", "free_slots", "total_slots"):
+        assert stats[name] > 0 and f"hybridspec_{name} {stats[name]}\n" in text, name
 
 
 # (request fields, the field name the error must mention)
