@@ -110,10 +110,10 @@ class LLM:
         """The request's next output, stepping the engine until there is one (None: the engine has no work left
         and none came: aborted through llm.engine). Raises RequestFailed where a failed step aborted it."""
         while True:
-            self._raise_if_failed(rid)
             pending = self._outputs[rid]
-            if pending:
+            if pending:  # (what steps before a failed one produced is handed out first)
                 return pending.pop(0)
+            self._raise_if_failed(rid)
             if not self.engine.has_work():
                 return None
             self._step()
@@ -207,7 +207,6 @@ class LLM:
             while True:
                 with self._lock:
                     for rid, _, _ in requests:
-                        self._raise_if_failed(rid)
                         for out in self._outputs.get(rid, ()):
                             tokens[rid].extend(out.new_token_ids)
                             texts[rid].append(out.new_text)
@@ -216,6 +215,8 @@ class LLM:
                                                               out.finish_reason, out.stats or RequestStats())
                         if rid in self._outputs:
                             self._outputs[rid].clear()
+                        if rid not in results:
+                            self._raise_if_failed(rid)
                     if len(results) == len(requests) or not self.engine.has_work():
                         break
                     self._step()

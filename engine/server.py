@@ -108,6 +108,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     raise request.error
                 checked = check_request(request, self.tokenizer, self.vocab_size, self.max_model_len,
                                         self.memory_tokens)
+                self.engine.check_admissible(checked.request_id)  # (a draining server answers before tokenizing)
                 text = checked.text
                 if text is None:
                     ids = checked.ids

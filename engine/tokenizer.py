@@ -126,6 +126,40 @@ def _eos_from_dir(d: Path) -> list[int] | None:
     return None
 
 
+# normalizers that keep every character (their slack: how many input characters may become one), pre-tokenizers that
+# drop none, models that never map an unbounded run of text to one token: Tokenizer.chars_per_token_bound
+_KEEPING_NORMALIZERS = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _keeping_slack(config: dict) -> int | None:
+    """The normalizers' slack where the tokenizer (tokenizer.json's config) keeps every character, else None."""
+    def parts(node: dict | None, key: str) -> list[dict]:
+        if not node:
+            return []
+        return [p for child in node.get(key, []) for p in parts(child, key)] if node.get("type") == "Sequence" \
+            else [node]
+
+    slack = 1
+    for n in parts(config.get("normalizer"), "normalizers"):
+        if n.get("type") not in _KEEPING_NORMALIZERS:
+            return None
+        slack = max(slack, _KEEPING_NORMALIZERS[n["type"]])
+    for p in parts(config.get("pre_tokenizer"), "pretokenizers"):
+        if p.get("type") not in _KEEPING_PRE_TOKENIZERS or str(p.get("behavior", "")).lower() == "removed":
+            return None
+    model = config.get("model") or {}
+    byte_level = any(p.get("type") == "ByteLevel" for p in parts(config.get("pre_tokenizer"), "pretokenizers"))
+    if model.get("type") == "BPE":  # unknown text: one unknown token a character, unless fused (and no byte fallback)
+        if model.get("fuse_unk") and not model.get("byte_fallback") and not byte_level:
+            return None
+    elif not (model.get("type") == "Unigram" and model.get("byte_fallback")):  # WordPiece, WordLevel: a word -> [UNK]
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in config.get("added_tokens") or []):
+        return None
+    return slack
+
+
 class Tokenizer:
     """A model's tokenizer: ``encode`` (no special tokens added) / ``decode``."""
 
@@ -135,7 +169,7 @@ class Tokenizer:
         if not ids:
             ids = [i for name in _EOS_TOKEN_NAMES if (i := tok.token_to_id(name)) is not None]
         self._eos_list: list[int] = list(dict.fromkeys(ids))
-        self._max_chars: int | None = None  # max_chars_per_token, computed on first use
+        self._chars_bound: int | None | bool = False  # chars_per_token_bound, computed on first use (False: not yet)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -173,15 +207,26 @@ class Tokenizer:
         return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     @property
-    def max_chars_per_token(self) -> int:
-        """An upper bound on the characters of text one token stands for: the longest token string of the
-        vocabulary and of the added tokens (a byte-level token's string has one character per byte, and its text
-        no more characters than bytes; byte-fallback tokens such as <0x41> only overestimate). A prompt of n
-        characters then has at least n / (this x CHARS_NORMALIZER_SLACK) tokens, whatever the normalizer merges."""
-        if self._max_chars is None:
-            longest = max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
-            self._max_chars = max(1, longest)
-        return self._max_chars
+    def chars_per_token_bound(self) -> int | None:
+        """At most how many characters of a prompt one token can stand for, where this tokenizer keeps every character
+        (up to a composing normalizer's merges), else None. A prompt of n characters then has at least n / this
+        many tokens (engine.validation.check_text_size refuses a hopeless one untokenized). The bound: the longest
+        token string of the vocabulary and the added tokens (a byte-level token's string has one character per byte,
+        and its text no more characters than bytes; byte-fallback tokens such as <0x41> only overestimate), times
+        the normalizer's slack (NFC / NFKC merge a letter and its marks, Hangul jamo 3 -> 1: 4). None where a part
+        may drop or merge characters without limit: a normalizer that replaces, strips or removes accents, a
+        pre-tokenizer that removes what it splits on (whitespace splitting, BERT's), a model that maps unknown text
+        to one token (WordPiece, WordLevel, Unigram or BPE with fused unknowns and no byte fallback), added tokens
+        that swallow whitespace (lstrip / rstrip)."""
+        if self._chars_bound is False:
+            config = json.loads(self.hf.to_str())
+            slack = _keeping_slack(config)
+            if slack is None:
+                self._chars_bound = None
+            else:
+                longest = max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
+                self._chars_bound = max(1, longest) * slack
+        return self._chars_bound
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

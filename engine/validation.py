@@ -16,9 +16,6 @@ from proto.hybridspec.v1 import generation_pb2 as pb
 from scheduler.types import InvalidRequest, SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
-# a normalizer may merge characters (NFC: a letter and its combining marks; Hangul jamo into one syllable, 3 -> 1):
-# check_text_size's bound allows this many input characters per character of a token
-CHARS_NORMALIZER_SLACK = 4
 DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens
 
 
@@ -80,10 +77,13 @@ def check_length(field: str, prompt_len: int, max_new_tokens: int, max_model_len
 def check_text_size(field: str, text: str, tokenizer: Tokenizer, max_model_len: int,
                     memory_tokens: int | None = None) -> None:
     """Refuses, before tokenizing it, a text prompt too long to fit in any case: one of n characters has at least
-    n / (tokenizer.max_chars_per_token x CHARS_NORMALIZER_SLACK) tokens. (Tokenizing 4 MB took ~9.5 s of CPU here,
-    only for the request to be refused.)"""
+    n / tokenizer.chars_per_token_bound tokens (no check where the tokenizer may drop or merge characters without
+    limit). (Tokenizing 4 MB took ~9.5 s of CPU here, only for the request to be refused.)"""
+    bound = tokenizer.chars_per_token_bound
+    if bound is None:
+        return
     limit, why = _token_limit(max_model_len, memory_tokens)
-    most = (limit - 1) * tokenizer.max_chars_per_token * CHARS_NORMALIZER_SLACK
+    most = (limit - 1) * bound
     if len(text) > most:
         raise InvalidRequest(f"{field} must be shorter than {why} (at most {limit - 1} tokens), got {len(text)} "
                              f"characters, more than {limit - 1} tokens of this tokenizer can hold ({most})", field)
@@ -163,12 +163,12 @@ def _bad_utf8_field(data: bytes) -> str | None:
     """The first string field of a serialized GenerateRequest (walking the wire format by the .proto's field numbers)
     whose bytes are not UTF-8; None where none is found (or the wire itself is broken)."""
     strings = {1: "request_id", 2: "prompt"}  # GenerateRequest's string fields by number; 4: sampling
+    stops = 0  # (protobuf merges repeated occurrences of `sampling`: their stops make one list)
     try:
         for number, value in _length_delimited(data):
             if number in strings:
                 value.decode("utf-8")
             elif number == 4:
-                stops = 0
                 for n, v in _length_delimited(value):
                     if n == 5:  # SamplingParams.stop
                         try:

@@ -8,7 +8,7 @@ Definitions (times are the client's, taken as each message arrives):
 - ITL: the gap between two consecutive token-bearing messages of one stream (with speculation a message may
   carry several tokens); every stream.
 - E2E: from sending to the last message, completed requests (a stream the server aborted, finish_reason "abort",
-  is not one: status ABORTED, counted among the errors).
+  is not one: it is counted among the errors as SERVER_ABORTED).
 - output_tokens_per_s: every token received (cancelled streams' too) / the run's wall time; requests_per_s:
   completed requests / wall time.
 - goodput: completed requests whose TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms (an SLO left out always
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 OK = "OK"
 # a stream the server ended with finish_reason "abort" (it drained or a step failed): the gRPC status is OK, but the
 # request did not complete, so it is an error here and none of the completed requests' numbers
-ABORTED = "ABORTED"
+ABORTED = "SERVER_ABORTED"  # (not gRPC's ABORTED status: the call itself ended OK)
 PERCENTILES = (50, 90, 99)
 
 
@@ -38,7 +38,7 @@ class RequestRecord:
     end: float = 0.0  # when the stream ended (last message, error, or our cancellation)
     chunk_times: list[float] = field(default_factory=list)  # arrival of each message that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those messages
-    status: str = OK  # OK, the gRPC status name it ended with (CANCELLED when we cancelled it), or ABORTED
+    status: str = OK  # OK, the gRPC status it ended with (CANCELLED: we cancelled it), or SERVER_ABORTED
     detail: str = ""
     finish_reason: str | None = None
     prompt_tokens: int | None = None

@@ -69,7 +69,7 @@ class LoadConfig:
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"--{name} must be a finite number >= 0, got {value}")
-        # the server's ranges (scheduler.types.SamplingParams), checked before any load is sent
+        # the server's sampling ranges (scheduler.types.SamplingParams), checked before any load is sent
         if not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

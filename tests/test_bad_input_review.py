@@ -458,6 +458,9 @@ def test_grpc_undecodable_bytes_are_invalid_argument_naming_the_field(llm, caplo
         (_string_field(2, b"\xff\xfe"), "prompt must be valid UTF-8"),
         (_string_field(1, b"id\xc3") + _string_field(2, b"hi"), "request_id must be valid UTF-8"),
         (_string_field(2, b"hi") + _string_field(4, stop_ok + stop_bad), "sampling.stop[1] must be valid UTF-8"),
+        # two occurrences of `sampling`: protobuf merges them, and so does the index
+        (_string_field(2, b"hi") + _string_field(4, stop_ok) + _string_field(4, stop_ok + stop_bad),
+         "sampling.stop[2] must be valid UTF-8"),
         (b"\xff\xff\xff", "request could not be parsed as a hybridspec.v1.GenerateRequest"),
         (_string_field(2, b"hi")[:-1] + b"", "request could not be parsed"),  # truncated
     ]
@@ -481,7 +484,7 @@ def test_grpc_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
     import threading
 
     tokenizer = llm.engine.tokenizer
-    most = (MEMORY_TOKENS - 1) * tokenizer.max_chars_per_token * engine.validation.CHARS_NORMALIZER_SLACK
+    most = (MEMORY_TOKENS - 1) * tokenizer.chars_per_token_bound
     threads: list[int] = []
 
     def never(text):
@@ -516,11 +519,58 @@ def test_tokenizer_encode_released_equals_encode(llm):
     tokenizer = llm.engine.tokenizer
     for text in ("", "hi", "<|endoftext|> and more", "ünïcödé " * 50):
         assert tokenizer.encode_released(text) == tokenizer.encode(text)
-    assert tokenizer.max_chars_per_token == len("<|endoftext|>")  # the byte tokenizer: 1, and its added token
+    assert tokenizer.chars_per_token_bound == len("<|endoftext|>")  # the byte tokenizer: 1, and its added token
+
+
+def _tokenizer(model, normalizer=None, pre_tokenizer=None, added=()):
+    import tokenizers
+
+    from engine.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(model)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    for token in added:
+        tok.add_special_tokens([token])
+    return Tokenizer(tok)
+
+
+def test_the_untokenized_length_check_holds_only_where_the_tokenizer_keeps_every_character():
+    """Where a part of the tokenizer may drop or merge characters without limit (a WordPiece word of any length is
+    one [UNK], BERT's pre-tokenizer drops whitespace, a Replace normalizer collapses runs of spaces, an added token
+    with lstrip swallows whitespace), a prompt of many characters can be a few tokens: no bound, no refusal."""
+    from tokenizers import AddedToken, models, normalizers, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3, "<mask>": 4}
+    byte_level = _tokenizer(models.BPE({"a": 0, "b": 1, "abab": 2}, []), pre_tokenizer=pre_tokenizers.ByteLevel())
+    assert byte_level.chars_per_token_bound == 4  # its longest token, no normalizer
+    nfc = _tokenizer(models.BPE({"a": 0, "b": 1, "abab": 2}, []), normalizer=normalizers.NFC(),
+                     pre_tokenizer=pre_tokenizers.ByteLevel())
+    assert nfc.chars_per_token_bound == 16  # x4: NFC merges a letter and its marks
+    lossy = [
+        _tokenizer(models.WordPiece(vocab, unk_token="[UNK]"), pre_tokenizer=pre_tokenizers.BertPreTokenizer()),
+        _tokenizer(models.BPE(vocab, [], unk_token="[UNK]", fuse_unk=True), pre_tokenizer=pre_tokenizers.Metaspace()),
+        _tokenizer(models.BPE(vocab, []), pre_tokenizer=pre_tokenizers.Whitespace()),
+        _tokenizer(models.BPE({"a": 0, "b": 1, " ": 2}, []), normalizer=normalizers.Replace("  ", " ")),
+        _tokenizer(models.BPE({"a": 0, "b": 1}, []), normalizer=normalizers.Strip()),
+        _tokenizer(models.BPE(vocab, []), pre_tokenizer=pre_tokenizers.ByteLevel(),
+                   added=[AddedToken("<mask>", lstrip=True)]),
+        _tokenizer(models.BPE(vocab, []), pre_tokenizer=pre_tokenizers.Split(" ", behavior="removed")),
+    ]
+    for tok in lossy:
+        assert tok.chars_per_token_bound is None, tok.hf.to_str()[:200]
+    word = lossy[0]
+    assert len(word.encode("x" * 50_000)) == 1  # 50k characters, one token: a bound would have refused it
+    check_text_size = engine.validation.check_text_size
+    check_text_size("prompt", "x" * 50_000, word, max_model_len=64)  # no refusal where no bound holds
+    with pytest.raises(InvalidRequest, match=r"^prompt must be shorter .* got 50000 characters"):
+        check_text_size("prompt", "x" * 50_000, byte_level, max_model_len=64)
 
 
 def test_llm_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(llm, monkeypatch):
-    most = (MEMORY_TOKENS - 1) * llm.engine.tokenizer.max_chars_per_token * engine.validation.CHARS_NORMALIZER_SLACK
+    most = (MEMORY_TOKENS - 1) * llm.engine.tokenizer.chars_per_token_bound
     monkeypatch.setattr(llm.tokenizer, "encode", lambda text: pytest.fail("tokenized"))
     with pytest.raises(InvalidRequest, match=rf"^prompt must be shorter .* got {most + 1} characters") as err:
         llm.generate("z" * (most + 1), SamplingParams(max_new_tokens=1))

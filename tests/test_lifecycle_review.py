@@ -478,10 +478,14 @@ def test_llm_step_failure_aborts_the_other_open_streams_instead_of_corrupting_th
     stream = llm.stream(LLM_PROMPT, p)
     first = next(stream).new_token_ids
     real = llm.engine.executor.execute
+    calls = []
 
-    def boom(requests):
-        real(requests)
-        raise KeyboardInterrupt
+    def boom(requests):  # the third step of the generate call below fails after its forward
+        result = real(requests)
+        calls.append(len(requests))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return result
 
     llm.engine.executor.execute = boom
     try:
@@ -489,12 +493,14 @@ def test_llm_step_failure_aborts_the_other_open_streams_instead_of_corrupting_th
             llm.generate([7, 8, 9], p)
     finally:
         llm.engine.executor.execute = real
+    # the two steps before the failed one produced the stream's next outputs: handed out, then the failure
+    buffered = [t for _ in range(2) for t in next(stream).new_token_ids]
     with pytest.raises(RequestFailed, match=r"^request llm-\d+ was aborted: a step of the engine failed while it ran "
                                             r"\(KeyboardInterrupt"):
         next(stream)
-    assert first and _llm_free(llm)
+    assert first and buffered and _llm_free(llm)
     alone = llm.generate(LLM_PROMPT, p)[0].token_ids  # the engine serves on, exactly
-    assert alone[:len(first)] == first and len(alone) == 20 and _llm_free(llm)
+    assert alone[:len(first) + len(buffered)] == first + buffered and len(alone) == 20 and _llm_free(llm)
 
 
 def test_llm_stream_collected_inside_a_step_is_aborted_after_the_step(llm_ngram, monkeypatch):
