@@ -9,8 +9,8 @@
 
 Exit status: 0 done (the errors the server returned are in the result), 1 the server could not be reached, before
 the load or after it (then the results are written: the requests it lost are errors), or with --fail-on-error an
-error other than CANCELLED occurred (a stream the server aborted is SERVER_ABORTED), or a sweep's server failed; 2 invalid
-options,
+error other than CANCELLED occurred (a stream the server aborted is SERVER_ABORTED), or a sweep's server failed;
+2 invalid options,
 130 interrupted by Ctrl-C (no new requests were sent, those in flight finished, the results were written).
 """
 

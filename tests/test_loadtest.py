@@ -303,7 +303,8 @@ def test_a_stream_the_server_aborted_is_an_error_not_a_completion():
     from loadtest.runner import Sampling, run_one
     from loadtest.workload import RequestSpec
 
-    rec = run(run_one(_AbortingClient(), RequestSpec(index=0, prompt=[1, 2], max_new_tokens=8, cancel_after_chunks=None, seed=None), Sampling()))
+    spec = RequestSpec(index=0, prompt=[1, 2], max_new_tokens=8, cancel_after_chunks=None, seed=None)
+    rec = run(run_one(_AbortingClient(), spec, Sampling()))
     assert rec.status == ABORTED and rec.finish_reason == "abort" and rec.output_tokens == 3
     assert not rec.ok and rec.tpot is None and rec.e2e is None
     summary = summarize([rec, _record(1, 0.01, 0.002)])
