@@ -246,12 +246,7 @@ class AsyncEngine:
             delivery.errors[command.rid] = EngineFailed(f"could not add the request: {type(e).__name__}: {e}")
 
     def _fail_running(self, error: BaseException, delivery: _Delivery) -> None:
-        try:
-            failed = self.core.fail_running()
-        except Exception:  # the core is in an unknown state: at least no stream may hang
-            log.exception("failing the running requests failed")
-            failed = list(self.core.live)
-        for rid in failed:
+        for rid in self.core.fail_running():  # (at least no stream may hang)
             delivery.errors[rid] = error
 
     def _deliver_threadsafe(self, delivery: _Delivery) -> None:

@@ -195,10 +195,16 @@ class EngineCore:
 
     def fail_running(self) -> list[str]:
         """Aborts every request whose state lives on the worker (e.g. after a restarted Ray actor lost its
-        cache); returns their ids. Waiting requests hold no worker state and stay queued."""
+        cache, or a step that raised); returns their ids. Waiting requests hold no worker state and stay queued.
+        Where the aborts themselves fail, the core is in an unknown state: every live request's id is returned,
+        so that no caller goes on stepping one of them."""
         ids = [r.request_id for r in self.scheduler.running]
-        for rid in ids:
-            self.abort(rid)
+        try:
+            for rid in ids:
+                self.abort(rid)
+        except Exception:
+            log.exception("failing the running requests failed")
+            return list(self.live)
         return ids
 
     def stats(self) -> dict[str, int]:

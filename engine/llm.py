@@ -151,11 +151,7 @@ class LLM:
                 pending.append(out)
 
     def _fail_running(self, error: BaseException) -> None:
-        try:
-            failed = self.engine.fail_running()
-        except Exception:  # the core is in an unknown state: no call may go on stepping its requests
-            failed = list(self.engine.live)
-        for rid in failed:
+        for rid in self.engine.fail_running():
             if rid in self._outputs:
                 self._failed[rid] = RequestFailed(f"request {rid} was aborted: a step of the engine failed while it "
                                                   f"ran ({type(error).__name__}: {error})")

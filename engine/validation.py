@@ -159,25 +159,31 @@ def undecodable_request(data: bytes, error: Exception) -> InvalidRequest:
                           f"({type(error).__name__}: {error})", "request")
 
 
-def _bad_utf8_field(data: bytes) -> str | None:
-    """The first string field of a serialized GenerateRequest (walking the wire format by the .proto's field numbers)
-    whose bytes are not UTF-8; None where none is found (or the wire itself is broken)."""
-    strings = {1: "request_id", 2: "prompt"}  # GenerateRequest's string fields by number; 4: sampling
-    stops = 0  # (protobuf merges repeated occurrences of `sampling`: their stops make one list)
+def _bad_utf8_field(data: bytes, message=pb.GenerateRequest.DESCRIPTOR, path: str = "",
+                    counts: dict[str, int] | None = None) -> str | None:
+    """The first string field of a serialized message (walking the wire format by its descriptor's field numbers,
+    into its message fields) whose bytes are not UTF-8, as `sampling.stop[i]`; None where none is found (or the wire
+    itself is broken). A repeated string's index counts across repeated occurrences of its message, which protobuf
+    merges."""
+    counts = {} if counts is None else counts
     try:
         for number, value in _length_delimited(data):
-            if number in strings:
-                value.decode("utf-8")
-            elif number == 4:
-                for n, v in _length_delimited(value):
-                    if n == 5:  # SamplingParams.stop
-                        try:
-                            v.decode("utf-8")
-                        except UnicodeDecodeError:
-                            return f"sampling.stop[{stops}]"
-                        stops += 1
-    except UnicodeDecodeError:
-        return strings[number]
+            fd = message.fields_by_number.get(number)
+            if fd is None:
+                continue
+            name = f"{path}{fd.name}"
+            if fd.message_type is not None:
+                found = _bad_utf8_field(value, fd.message_type, f"{name}.", counts)
+                if found is not None:
+                    return found
+            elif fd.type == fd.TYPE_STRING:
+                index = counts.get(name, 0)
+                counts[name] = index + 1
+                try:
+                    value.decode("utf-8")
+                except UnicodeDecodeError:
+                    repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
+                    return f"{name}[{index}]" if repeated else name
     except ValueError:
         return None
     return None
