@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_NUM_CPUS = 2  # of a local Ray started here (the actor takes one)
+# starts of a local Ray node: on 2 busy cores (CI, another test worker running a model) its object store once missed
+# Ray's fixed 30 s startup wait ("The current node timed out during startup")
+LOCAL_START_ATTEMPTS = 3
 
 
 def _init_ray(address: str | None, num_cpus: int) -> bool:
@@ -39,9 +42,18 @@ def _init_ray(address: str | None, num_cpus: int) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
-             configure_logging=False, log_to_driver=True)
-    return True
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                     configure_logging=False, log_to_driver=True)
+            return True
+        except Exception as e:  # Ray waits a fixed 30 s for its node's object store; a loaded machine can miss it
+            if "timed out during startup" not in str(e) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            log.warning("a local Ray node timed out during startup (attempt %d of %d): starting it again",
+                        attempt, LOCAL_START_ATTEMPTS)
+            ray.shutdown()
+    raise AssertionError("unreachable")
 
 
 class RayExecutor:

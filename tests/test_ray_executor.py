@@ -79,3 +79,34 @@ def test_killed_actor_fails_in_flight_with_unavailable_and_the_next_request_succ
             assert stats.free_pages == stats.total_pages and stats.free_slots == stats.total_slots
 
     run(main(), timeout=180.0)
+
+
+def test_a_local_ray_node_that_times_out_at_startup_is_started_again(monkeypatch):
+    """CI once saw Ray's fixed 30 s wait for a new node's object store run out on 2 busy cores."""
+    import engine.ray_executor as rx
+
+    calls, shutdowns = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(rx.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(rx.ray, "init", init)
+    monkeypatch.setattr(rx.ray, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert rx._init_ray(None, 2) is True and len(calls) == 2 and len(shutdowns) == 1
+    calls.clear()
+
+    def always(**kwargs):
+        calls.append(kwargs)
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(rx.ray, "init", always)
+    with pytest.raises(Exception, match="timed out during startup"):
+        rx._init_ray(None, 2)
+    assert len(calls) == rx.LOCAL_START_ATTEMPTS
+    monkeypatch.setattr(rx.ray, "init", lambda **kwargs: (_ for _ in ()).throw(ValueError("bad address")))
+    with pytest.raises(ValueError, match="bad address"):  # any other failure: at once
+        rx._init_ray(None, 2)
