@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device")
+        for name in ("model", "draft_model"):
+            value = getattr(self, name)  # None: the embedded default model (model) / the spec's default (draft_model)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip()):
+                raise ValueError(f"{name} must be a model directory path or None, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:
@@ -105,7 +110,7 @@ class _Live:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
-        model_dir = Path(config.model) if config.model else default_model_dir()
+        model_dir = Path(config.model) if config.model is not None else default_model_dir()
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)

@@ -24,6 +24,8 @@ from typing import Iterable, Protocol
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from workers.config import lfs_pointer_hint
+
 __all__ = [
     "BYTE_EOS_TOKEN",
     "IncrementalDetokenizer",
@@ -110,20 +112,27 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _eos_from_dir(d: Path) -> list[int] | None:
+def _eos_from_dir(d: Path, tok: tokenizers.Tokenizer) -> list[int] | None:
+    """Every EOS id the directory names, as transformers' generate stops at them: config.json's (or its text_config's),
+    generation_config.json's (often a list: Qwen's chat models end turns with <|im_end|> and text with
+    <|endoftext|>) and tokenizer_config.json's eos_token (a token string); None where none names one."""
+    ids: list[int] = []
     cfg = _read_json(d / "config.json")
     if cfg is not None:
-        ids = _as_id_list(cfg.get("eos_token_id"))
-        if ids is None and isinstance(cfg.get("text_config"), dict):
-            ids = _as_id_list(cfg["text_config"].get("eos_token_id"))
-        if ids is not None:
-            return ids
+        found = _as_id_list(cfg.get("eos_token_id"))
+        if found is None and isinstance(cfg.get("text_config"), dict):
+            found = _as_id_list(cfg["text_config"].get("eos_token_id"))
+        ids += found or []
     gen = _read_json(d / "generation_config.json")
     if gen is not None:
-        ids = _as_id_list(gen.get("eos_token_id"))
-        if ids is not None:
-            return ids
-    return None
+        ids += _as_id_list(gen.get("eos_token_id")) or []
+    tok_cfg = _read_json(d / "tokenizer_config.json")
+    if tok_cfg is not None:
+        eos = tok_cfg.get("eos_token")
+        name = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(name, str) and (i := tok.token_to_id(name)) is not None:
+            ids.append(i)
+    return list(dict.fromkeys(ids)) or None
 
 
 # normalizers that keep every character (their slack: how many input characters may become one), pre-tokenizers that
@@ -177,8 +186,11 @@ class Tokenizer:
         file = d / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(errno.ENOENT, "tokenizer.json not found", str(file))
-        tok = tokenizers.Tokenizer.from_file(str(file))
-        return cls(tok, _eos_from_dir(d))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for a truncated or foreign file
+            raise ValueError(f"{file}: not a readable tokenizers file ({e}){lfs_pointer_hint(file)}") from e
+        return cls(tok, _eos_from_dir(d, tok))
 
     @classmethod
     def byte_level(cls) -> "Tokenizer":

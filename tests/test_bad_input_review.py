@@ -592,6 +592,14 @@ def test_llm_device_of_another_type_is_named():
         LLM(device=0)
 
 
+@pytest.mark.parametrize("field,value", [("model", ""), ("model", "  "), ("draft_model", ""), ("model", 3)])
+def test_llm_empty_or_non_path_model_directory_is_refused(field, value):
+    """Before: LLM(model="") (an unset environment variable, say) silently served the embedded default model."""
+    options = {field: value, **({"spec": "draft"} if field == "draft_model" else {})}
+    with pytest.raises(ValueError, match=rf"^{field} must be a model directory path or None, got {value!r}$"):
+        LLM(**options)
+
+
 def test_a_drafter_under_policy_ar_is_announced(caplog):
     with caplog.at_level(logging.WARNING, logger="hybridspec.engine"):
         LLM(spec="ngram", policy="ar", max_running=1)

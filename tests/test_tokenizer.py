@@ -146,8 +146,33 @@ def test_eos_from_config_int(tmp_path):
 
 
 def test_eos_from_config_list(tmp_path):
-    tok = Tokenizer.from_dir(_model_dir(tmp_path, {"eos_token_id": [9, 3, 9]}, {"eos_token_id": 1}))
+    tok = Tokenizer.from_dir(_model_dir(tmp_path, {"eos_token_id": [9, 3, 9]}))
     assert tok.eos_token_id == 9 and tok.eos_token_ids == {9, 3}
+
+
+def test_eos_of_config_and_generation_config_merged(tmp_path):
+    """Qwen's chat checkpoints name <|im_end|> in config.json and [<|im_end|>, <|endoftext|>] in
+    generation_config.json: a completion stops at either, as transformers' generate stops (it used to run on past
+    the generation config's ids whenever config.json named one)."""
+    tok = Tokenizer.from_dir(_model_dir(tmp_path, {"eos_token_id": [9, 3, 9]}, {"eos_token_id": [1, 9]}))
+    assert tok.eos_token_id == 9 and tok.eos_token_ids == {9, 3, 1}
+
+
+@pytest.mark.parametrize("eos", ["<|endoftext|>", {"content": "<|endoftext|>", "special": True}])
+def test_eos_from_tokenizer_config(tmp_path, eos):
+    d = _model_dir(tmp_path, {"eos_token_id": 7})
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    assert Tokenizer.from_dir(d).eos_token_ids == {7, 256}
+
+
+@pytest.mark.parametrize("content,hint", [(None, ""), ("version https://git-lfs.github.com/spec/v1\n", "git lfs")])
+def test_unreadable_tokenizer_file_is_a_value_error_naming_it(tmp_path, content, hint):
+    d = _model_dir(tmp_path, {"eos_token_id": 7})
+    file = d / "tokenizer.json"
+    file.write_text(content if content is not None else file.read_text()[:200])  # a truncated download
+    with pytest.raises(ValueError) as info:
+        Tokenizer.from_dir(d)
+    assert str(file) in str(info.value) and hint in str(info.value), str(info.value)
 
 
 def test_eos_from_generation_config(tmp_path):

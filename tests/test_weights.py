@@ -262,6 +262,68 @@ def test_sharded_index_naming_a_missing_shard_raises_file_not_found_naming_it(sh
     assert shard in str(info.value), str(info.value)
 
 
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("keep", [4, 4096])
+def test_truncated_single_file_is_a_weights_error_naming_the_file(qwen3_next_dir, tmp_path, keep):
+    """A partial download (cut inside the header, or inside the data) names the file; no safetensors traceback."""
+    dst = _copy_checkpoint(qwen3_next_dir, tmp_path / "cut")
+    _truncate(dst / "model.safetensors", keep)
+    message = load_error(dst)
+    assert str(dst / "model.safetensors") in message and "partial download" in message, message
+
+
+def test_git_lfs_pointer_in_place_of_the_weights_says_so(qwen3_next_dir, tmp_path):
+    dst = _copy_checkpoint(qwen3_next_dir, tmp_path / "lfs")
+    (dst / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+    message = load_error(dst)
+    assert "model.safetensors" in message and "git lfs pull" in message, message
+
+
+def test_truncated_shard_is_a_weights_error_naming_the_shard(sharded_dir, tmp_path):
+    dst = _copy_checkpoint(sharded_dir, tmp_path / "sharded")
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[2]
+    _truncate(dst / shard, 100)
+    assert str(dst / shard) in load_error(dst)
+
+
+def test_index_mapping_a_tensor_to_a_shard_without_it_names_both(sharded_dir, tmp_path):
+    dst = _copy_checkpoint(sharded_dir, tmp_path / "stale")
+    path = dst / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in sorted(index["weight_map"].items()) if f == shards[0])
+    index["weight_map"][name] = shards[1]
+    path.write_text(json.dumps(index))
+    message = load_error(dst)
+    assert names_exactly(message, name) and shards[1] in message, message
+
+
+@pytest.mark.parametrize("text", ["{\"metadata\": {}}", "{\"weight_map\": [1]}", "{not json"])
+def test_malformed_index_is_a_weights_error_naming_the_index(sharded_dir, tmp_path, text):
+    dst = _copy_checkpoint(sharded_dir, tmp_path / "bad_index")
+    (dst / "model.safetensors.index.json").write_text(text)
+    assert str(dst / "model.safetensors.index.json") in load_error(dst)
+
+
+def test_random_weights_marker_beside_stored_weights_is_refused_not_preferred(qwen3_next_dir, tmp_path):
+    """A stray random_weights.json (a bench model's marker) must not silently replace the stored weights."""
+    from workers.weights import RANDOM_WEIGHTS_FILE
+
+    dst = _copy_checkpoint(qwen3_next_dir, tmp_path / "both")
+    (dst / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": 0}))
+    message = load_error(dst)
+    assert RANDOM_WEIGHTS_FILE in message and "model.safetensors" in message, message
+
+
 # ------------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "qwen3_5_moe", None])
 def test_unsupported_model_type_raises_config_error_naming_model_type(qwen3_next_dir, tmp_path, model_type):
@@ -295,6 +357,39 @@ def test_configs_written_by_transformers_read_as_written(ckpts):
     assert alt.attention_bias and alt.rotary_dim == 8 and alt.rope_theta == 1000.0
     wrapped = ModelConfig.from_dir(ckpts.path("qwen35_moe_language_model_prefix"))
     assert wrapped == ModelConfig.from_dir(ckpts.path("qwen35_moe"))
+
+
+# config.json values out of range or of the wrong type: a ConfigError naming the field (they used to divide by
+# zero, build negative-sized tensors or fail inside int() without naming the field)
+BAD_FIELDS = [
+    ("num_key_value_heads", 0), ("linear_num_key_heads", 0), ("hidden_size", -64), ("hidden_size", "64x"),
+    ("hidden_size", True), ("vocab_size", 0), ("num_hidden_layers", 0), ("head_dim", 0),
+    ("max_position_embeddings", 0), ("linear_key_head_dim", 0), ("moe_intermediate_size", 0),
+    ("num_experts_per_tok", 0), ("num_experts_per_tok", 99), ("rms_norm_eps", -1), ("rms_norm_eps", "tiny"),
+    ("eos_token_id", "</s>"), ("eos_token_id", [1, -2]), ("layer_types", 5), ("mlp_only_layers", 1),
+    ("decoder_sparse_step", 0), ("full_attention_interval", 0), ("rope_parameters", ["x"]),
+    ("partial_rotary_factor", 2.0), ("norm_topk_prob", "yes"), ("tie_word_embeddings", "no"),
+    ("linear_conv_kernel_dim", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS, ids=[f"{f}={v!r}" for f, v in BAD_FIELDS])
+def test_config_field_out_of_range_or_of_the_wrong_type_is_a_config_error_naming_it(qwen3_next_dir, field, value):
+    raw = json.loads((qwen3_next_dir / "config.json").read_text())
+    raw[field] = value
+    if field == "full_attention_interval":
+        del raw["layer_types"]  # the interval only counts where no layer_types are given
+    if field == "partial_rotary_factor":
+        raw.pop("rope_parameters", None)
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_dict(raw)
+    assert field in str(info.value), str(info.value)
+
+
+def test_integral_floats_read_as_integers(qwen3_next_dir):
+    raw = json.loads((qwen3_next_dir / "config.json").read_text())
+    ours = ModelConfig.from_dict(dict(raw, hidden_size=float(raw["hidden_size"])))
+    assert ours == ModelConfig.from_dict(raw) and isinstance(ours.hidden_size, int)
 
 
 # Fields whose value changes no tensor shape: read wrongly, they give another model that still loads.

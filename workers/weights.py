@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from workers.config import ModelConfig
+from workers.config import ModelConfig, lfs_pointer_hint
 from workers.model import HybridModel
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
@@ -34,25 +34,56 @@ class WeightsError(ValueError):
 
 
 class Checkpoint:
-    """Tensor names -> lazily read tensors, over `model.safetensors` or a sharded index."""
+    """Tensor names -> lazily read tensors, over `model.safetensors` or a sharded index. Every file's header is read
+    up front: a truncated, corrupt or missing file, or an index naming a tensor its shard lacks, is a WeightsError
+    naming the file (and the tensor)."""
 
     def __init__(self, model_dir: str | Path):
         root = Path(model_dir)
         index = root / "model.safetensors.index.json"
         single = root / "model.safetensors"
+        self._handles: dict[Path, object] = {}
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: root / shard for name, shard in weight_map.items()}
+            files = {name: root / shard for name, shard in self._weight_map(index).items()}
+            for shard in sorted(set(files.values())):
+                if not shard.is_file():
+                    named = sorted(n for n, f in files.items() if f == shard)
+                    raise FileNotFoundError(f"{index}: shard {shard.name} (holding {len(named)} tensors, e.g. "
+                                            f"{named[0]!r}) is not in the model directory")
+                held = set(self._open(shard).keys())
+                absent = sorted(n for n, f in files.items() if f == shard and n not in held)
+                if absent:
+                    raise WeightsError(f"{index} maps {len(absent)} tensors to {shard.name}, which does not hold them "
+                                       f"(e.g. {absent[0]!r}): a stale index or a wrong shard")
         elif single.is_file():
-            with safe_open(str(single), "pt") as f:
-                files = {name: single for name in f.keys()}
+            files = {name: single for name in self._open(single).keys()}
         else:
             found = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
             hint = f" (found {found}: pickle checkpoints are not loaded; convert them to safetensors)" if found else ""
             raise FileNotFoundError(f"model directory {root}: no model.safetensors or model.safetensors.index.json{hint}")
         self._files = {self._canonical(n): path for n, path in files.items()}
         self._raw_names = {self._canonical(n): n for n in files}
-        self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _weight_map(index: Path) -> dict[str, str]:
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{index}: not valid JSON ({e}){lfs_pointer_hint(index)}") from e
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()):
+            raise WeightsError(f"{index}: needs a \"weight_map\" object of tensor name -> shard file name")
+        return weight_map
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), "pt")
+            except (SafetensorError, OSError) as e:
+                raise WeightsError(f"{path}: not a readable safetensors file ({e}); a partial download? "
+                                   f"{lfs_pointer_hint(path)}".rstrip()) from e
+        return self._handles[path]
 
     @staticmethod
     def _canonical(name: str) -> str:
@@ -62,16 +93,14 @@ class Checkpoint:
         return set(self._files)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(self._raw_names[name]).get_shape())
+        return list(self._open(self._files[name]).get_slice(self._raw_names[name]).get_shape())
 
     def get(self, name: str) -> Tensor:
-        return self._handle(name).get_tensor(self._raw_names[name])
-
-    def _handle(self, name: str):
         path = self._files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), "pt")
-        return self._handles[path]
+        try:
+            return self._open(path).get_tensor(self._raw_names[name])
+        except SafetensorError as e:
+            raise WeightsError(f"{path}: tensor {self._raw_names[name]!r} could not be read ({e})") from e
 
 
 def _qwen3_next_gdn_sources(cfg: ModelConfig, prefix: str) -> dict[str, Callable]:
@@ -153,6 +182,10 @@ def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decode
     A directory with `random_weights.json` (and no safetensors) is a random-weights model: the model is filled
     with the bench model's weights that file names (load_random_weights)."""
     if (Path(model_dir) / RANDOM_WEIGHTS_FILE).is_file():
+        stored = [n for n in ("model.safetensors", "model.safetensors.index.json") if (Path(model_dir) / n).is_file()]
+        if stored:  # which weights the user meant is not for the loader to guess
+            raise WeightsError(f"model directory {model_dir} holds both {RANDOM_WEIGHTS_FILE} (random bench weights) "
+                               f"and {stored[0]}: remove {RANDOM_WEIGHTS_FILE} to serve the stored weights")
         load_random_weights(model, model_dir, scope)
         return
     ck = Checkpoint(model_dir)
