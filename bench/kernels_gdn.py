@@ -283,8 +283,9 @@ def run_mode(mode, cfg, ctx):
         gt.gdn_triton(q, k, v, g, beta, cu, pool, sl, t, write_state=False, **cfg)
         return gt.gdn_commit_triton(k, v, g, beta, cu, keep, pool, sl, t, **_commit_cfg(cfg))
     if mode == "fused":  # the previous block = this one, every token accepted
+        fused_cfg = {kk: vv for kk, vv in _commit_cfg(cfg).items() if kk != "impl"}  # one kernel: no impl choice
         return gt.gdn_commit_verify_triton(q, k, v, g, beta, cu, pool, sl, t, k, v, g, beta, ctx["starts"], keep, t,
-                                           write_state=False, **_commit_cfg(cfg))
+                                           write_state=False, **fused_cfg)
     if mode == "chunk":  # cfg["impl"]: "block" (the default) or "two_phase" (kernels/gdn_chunk_triton.py)
         return run_chunk(cfg, q, k, v, g, beta, cu, pool, sl, t)
     if mode in ("chunk_nowrite", "chunk_mask"):

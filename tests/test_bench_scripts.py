@@ -505,3 +505,34 @@ def test_length_bound_oracle_beats_every_fixed_length_and_equals_it_without_info
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "length_bound.py"), "--curve", "5:6.5,17:8.3"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--curve needs tokens >= 1 including 1" in bad.stderr
+
+
+def test_kernels_gdn_table_modes_call_each_kernel_with_arguments_it_takes(monkeypatch):
+    """Every timed mode of bench/kernels_gdn.py's table binds to its kernel's signature (run 2026-12-07 on an H100
+    lost the whole GDN table to `gdn_commit_verify_triton() got an unexpected keyword argument 'impl'`)."""
+    import importlib.util
+    import inspect
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_kernels_gdn_signatures", ROOT / "bench" / "kernels_gdn.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    real, called = mod.gt, []
+
+    class Binder:  # stands for kernels.gdn_triton: checks each call's arguments against the real signature
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                inspect.signature(getattr(real, name)).bind(*args, **kwargs)
+                called.append(name)
+            return call
+
+    monkeypatch.setattr(mod, "gt", Binder())
+    t, cu = 4, torch.tensor([0, 4, 8])
+    blk = tuple(torch.zeros(8) for _ in range(5)) + (cu,)
+    keep = torch.full((2,), t)
+    ctx = dict(blk=blk, pool=torch.zeros(3), sl=torch.tensor([0, 1]), t=t, keep=keep, mask=keep > 0,
+               starts=cu[:-1])
+    for mode in (*mod.TABLE_MODES, "verify_mask"):
+        mod.run_mode(mode, dict(mod.TABLE_CFG), ctx)
+    assert {"gdn_triton", "gdn_commit_triton", "gdn_commit_verify_triton"} <= set(called), called
