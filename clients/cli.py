@@ -6,6 +6,7 @@ engine/cli.py parses the command line and hands the options here; this side need
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -21,6 +22,8 @@ URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  #
 def check_server(target: str) -> None:
     """`--server` is HOST:PORT (or a gRPC target URI). A port out of range is refused: gRPC would wrap it around
     (127.0.0.1:99999 dials port 34463), and without a port it would dial 443."""
+    if target != target.strip() or any(c.isspace() for c in target):
+        raise ValueError(f"--server must not contain spaces, got {target!r}")
     if target.startswith(URI_SCHEMES):
         return
     host, sep, port = target.rpartition(":")
@@ -28,6 +31,12 @@ def check_server(target: str) -> None:
     if not (sep and host and ipv6_ok and port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"--server must be HOST:PORT with a port in 1..65535 (an IPv6 host in brackets, e.g. "
                          f"[::1]:50051), got {target!r}")
+
+
+def as_flags(message: str) -> str:
+    """A message that names a field of the request (`sampling.max_new_tokens must be at most 4095`, from the client's
+    checks or the server's) as the command line's option instead (`--max-new-tokens must be ...`)."""
+    return re.sub(r"\bsampling\.([a-z_]+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 async def stream_generate(server: str, prompt: str | Sequence[int], *, wait: float = 0.0, timeout: float | None = None,
@@ -43,7 +52,7 @@ async def stream_generate(server: str, prompt: str | Sequence[int], *, wait: flo
         check_server(server)
         build_request(prompt, **sampling)  # type: ignore[arg-type]  # bad input fails before any output
     except (TypeError, ValueError) as e:
-        print(f"hybridspec: error: {e}", file=err)
+        print(f"hybridspec: error: {as_flags(str(e))}", file=err)
         return 2
     async with GenerationClient(server) as client:
         try:
@@ -62,7 +71,7 @@ async def stream_generate(server: str, prompt: str | Sequence[int], *, wait: flo
             out.flush()
         except grpc.aio.AioRpcError as e:
             out.write("\n")
-            print(f"hybridspec: error: {e.code().name}: {e.details()}", file=err)
+            print(f"hybridspec: error: {e.code().name}: {as_flags(e.details() or '')}", file=err)
             return 2 if e.code() is grpc.StatusCode.INVALID_ARGUMENT else 1
         except TimeoutError as e:
             print(f"hybridspec: error: {e}", file=err)

@@ -68,6 +68,12 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_new_
     if isinstance(stop, (str, bytes)):  # list("ab") would silently become two stop strings, "a" and "b"
         raise ValueError(f"stop must be a list of strings, got a single {type(stop).__name__} {stop!r:.60}; "
                          "pass [that string]")
+    for i, s in enumerate(stop):
+        if isinstance(s, str):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"sampling.stop[{i}] is not valid Unicode text, so it cannot be sent ({e})") from None
     try:
         sampling = pb.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
     except (TypeError, ValueError) as e:
@@ -83,7 +89,10 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_new_
                 raise ValueError(f"sampling.{name} must be {kind}, got {value!r:.60} ({e})") from None
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
-        request.prompt = prompt
+        try:
+            request.prompt = prompt
+        except ValueError as e:  # a lone surrogate (bytes that were not UTF-8, read with surrogateescape)
+            raise ValueError(f"prompt is not valid Unicode text, so it cannot be sent ({e})") from None
     elif isinstance(prompt, (bytes, bytearray)):  # its bytes would go out as token ids
         raise ValueError("prompt must be a str or a sequence of token ids, got bytes; decode it to a str first")
     else:

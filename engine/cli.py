@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 
-from scheduler.types import MAX_NEW_TOKENS, InvalidRequest, SamplingParams
+from scheduler.types import MAX_NEW_TOKENS, InvalidRequest, SamplingParams, not_unicode
 
 # spec None = the embedded default model's own speculation (mtp with the trained pair) without a model directory,
 # else off
@@ -148,6 +149,8 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if (why := not_unicode("PROMPT", args.prompt)) is not None:  # command-line bytes that are not UTF-8
+        raise ValueError(why)
     params = _sampling(args)  # checked here too, so bad options fail before any model or connection
     _check_seconds("--wait", args.wait, allow_zero=True)
     _check_seconds("--timeout", args.timeout, allow_zero=False)
@@ -238,9 +241,22 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+    except KeyboardInterrupt:  # Ctrl-C (serve drains on it; this is before its server runs, or `generate`)
+        print("\nhybridspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (`generate ... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush stays quiet too
+        return 141
     except (InvalidRequest, ValueError, FileNotFoundError, OSError) as e:
         print(f"hybridspec: error: {as_flags(str(e), parser, args.command)}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from engine.executor import WorkerLost  # (an engine raised it: torch is loaded already)
+
+        if not isinstance(e, WorkerLost):
+            raise
+        print(f"hybridspec: error: {e}", file=sys.stderr)  # a Ray worker / expert-parallel group failed to start
+        return 1
     return 1
 
 

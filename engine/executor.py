@@ -82,11 +82,14 @@ def build_drafter(spec: WorkerSpec, vocab_size: int, dtype: torch.dtype) -> Draf
         from workers.model import HybridModel
         from workers.weights import load_weights
 
-        cfg = ModelConfig.from_dir(spec.draft_model)
-        if cfg.vocab_size != vocab_size:
-            raise ValueError(f"draft_model vocab_size must equal the target's ({vocab_size}), got {cfg.vocab_size}")
-        model = HybridModel(cfg, dtype, spec.device)
-        load_weights(model, spec.draft_model)
+        try:  # its errors name the draft model's option, not the target's (`--model directory ...: no config.json`)
+            cfg = ModelConfig.from_dir(spec.draft_model)
+            if cfg.vocab_size != vocab_size:
+                raise ValueError(f"vocab_size must equal the target's ({vocab_size}), got {cfg.vocab_size}")
+            model = HybridModel(cfg, dtype, spec.device)
+            load_weights(model, spec.draft_model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"draft_model {spec.draft_model}: {e}") from e
         return DraftModelDrafter(model, spec.num_pages, spec.page_size, spec.num_slots)
 
     if spec.spec == "off":
@@ -95,7 +98,7 @@ def build_drafter(spec: WorkerSpec, vocab_size: int, dtype: torch.dtype) -> Draf
         return NgramDrafter()
     if spec.spec == "draft":
         if not spec.draft_model:
-            raise ValueError("spec 'draft' needs draft_model (a model directory with the target's tokenizer)")
+            raise ValueError("draft_model is needed with spec 'draft' (a model directory with the target's tokenizer)")
         return draft_model()
     if spec.spec == "replay":
         return ReplayDrafter(spec.replay_acceptance, vocab_size, seed=spec.seed,

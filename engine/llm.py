@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from engine.core import EngineConfig, EngineCore, StepOutput
 from engine.validation import check_length, check_text_size
 from scheduler.request import RequestStats
-from scheduler.types import InvalidRequest, SamplingParams
+from scheduler.types import InvalidRequest, SamplingParams, not_unicode
 
 SPEC_METHODS = ("off", "ngram", "draft", "mtp", "replay")
 POLICIES = ("ar", "fixed", "budget", "hybridspec")
@@ -58,7 +58,7 @@ class LLM:
         if draft_model is not None and spec not in ("draft", "replay"):
             raise ValueError("draft_model is only used with spec='draft' (or as the replay drafter's cost model)")
         if spec == "draft" and draft_model is None:
-            raise ValueError("spec='draft' needs draft_model: a model directory with the target's tokenizer")
+            raise ValueError("draft_model is needed with spec='draft': a model directory with the target's tokenizer")
         _check_engine_options(engine_options)
         self.spec, self.policy, self.max_verify_len = spec, policy, max_verify_len
         self.engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, spec=spec,
@@ -164,6 +164,8 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", "prompt")
+            if (why := not_unicode("prompt", prompt)) is not None:
+                raise InvalidRequest(why, "prompt")
             check_text_size("prompt", prompt, self.tokenizer, self.engine.max_model_len, self.engine.memory_tokens)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):

@@ -54,6 +54,19 @@ def _is_bool(v: object) -> bool:
     return getattr(dtype, "kind", None) == "b" and getattr(v, "shape", None) == ()
 
 
+def not_unicode(field: str, text: str) -> str | None:
+    """Why `text` is no Unicode text UTF-8 can carry (a lone surrogate: bytes that were not UTF-8, read with
+    Python's surrogateescape as the command line and os.environ are, or half of a UTF-16 pair), naming `field`;
+    None where it is."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f" (the byte 0x{code - 0xDC00:02x}, which is not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
+        return f"{field} is not valid Unicode text: a lone surrogate U+{code:04X} at character {e.start}{byte}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling options. Validated on construction; change with dataclasses.replace."""
@@ -96,6 +109,8 @@ class SamplingParams:
                     + (f" of length {len(s)}" if isinstance(s, str) else ""),
                     "stop",
                 )
+            if (why := not_unicode(f"stop[{i}]", s)) is not None:
+                raise InvalidRequest(why, "stop")
         seed = self.seed
         if seed is not None and not (_is_int(seed) and 0 <= seed < MAX_SEED):
             raise InvalidRequest(f"seed must be an integer in [0, 2**63) or unset, got {_show(seed)}", "seed")

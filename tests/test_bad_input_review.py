@@ -264,7 +264,7 @@ def test_cli_generate_with_a_value_the_wire_cannot_carry_fails_before_any_output
         out, err = io.StringIO(), io.StringIO()
         status = await stream_generate("127.0.0.1:1", "hi", out=out, err=err, top_k=3_000_000_000)
         assert status == 2 and out.getvalue() == ""
-        assert "sampling.top_k must be an integer <= 2147483647" in err.getvalue()
+        assert "--top-k must be an integer <= 2147483647" in err.getvalue()
 
     run(main())
 
@@ -280,7 +280,7 @@ TIMEOUT_RANGE = "--timeout must be a finite number of seconds > 0"
     (["generate", "hi", "--server", "127.0.0.1:1", "--timeout", "nan"], "--timeout must be"),
     (["generate", "hi", "--server", "127.0.0.1:1", "--wait", "-5"], "--wait must be a finite number of seconds >= 0"),
     (["generate", "hi", "--server", "127.0.0.1:1", "--wait", "nan"], "--wait must be"),
-    (["generate", "hi", "--server", "127.0.0.1:1", "--top-k", "3000000000"], "sampling.top_k must be an integer <="),
+    (["generate", "hi", "--server", "127.0.0.1:1", "--top-k", "3000000000"], "--top-k must be an integer <="),
     (["generate", "hi", "--server", "127.0.0.1:1", "--temperature", "inf"], "--temperature must be a finite number"),
     # gRPC would dial port 99999 - 65536 = 34463, and 443 without a port
     (["generate", "hi", "--server", "127.0.0.1:99999"], "--server must be HOST:PORT with a port in 1..65535"),

@@ -114,7 +114,8 @@ def test_cli_errors(server):
         out, err = io.StringIO(), io.StringIO()
         # the server rejects it (the client cannot know the model's limit)
         status = await stream_generate(server.target, "hi", out=out, err=err, max_new_tokens=MAX_MODEL_LEN)
-        assert status == 2 and "INVALID_ARGUMENT" in err.getvalue() and "max_new_tokens" in err.getvalue()
+        # ... naming the command line's option, not the message's field (sampling.max_new_tokens)
+        assert status == 2 and "INVALID_ARGUMENT: --max-new-tokens must be" in err.getvalue(), err.getvalue()
         # nobody listening there
         err = io.StringIO()
         status = await stream_generate("127.0.0.1:1", "hi", out=io.StringIO(), err=err, timeout=5)
@@ -127,6 +128,64 @@ def test_cli_errors(server):
     assert cli_main(["generate", "hi", "--server", server.target, "--top-k", "-1"]) == 2
 
 
+def test_cli_generate_ctrl_c_ends_with_a_line_not_a_traceback(server):
+    """Before: Ctrl-C printed a CancelledError / KeyboardInterrupt traceback and the process died of SIGINT."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "generate", "def f(x):", "--server", server.target,
+                             "--max-new-tokens", "1500", "--ignore-eos"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.read(12)  # the prompt and the first tokens: the stream is running
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"hybridspec: interrupted" in err and b"Traceback" not in err, err
+
+
+def test_cli_generate_into_a_closed_pipe_exits_quietly(server):
+    """`generate ... | head -c 20`: before, `hybridspec: error: [Errno 32] Broken pipe` and exit 2 (bad usage)."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "generate", "def f(x):", "--server", server.target,
+                             "--max-new-tokens", "1500", "--ignore-eos"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(20)
+    proc.stdout.close()
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 141 and b"error" not in err and b"Traceback" not in err, err
+
+
+@pytest.mark.parametrize("where", [[], ["--server", "127.0.0.1:1"]])
+def test_cli_prompt_bytes_that_are_not_utf8_are_named(where):
+    """Before: in process a TypeError traceback from the tokenizer; with --server a codec error naming no field."""
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", b"ab\xffcd", *where],
+                         cwd=ROOT, capture_output=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert (b"hybridspec: error: PROMPT is not valid Unicode text: a lone surrogate U+DCFF at character 2 (the byte "
+            b"0xff, which is not UTF-8)") in out.stderr, out.stderr
+
+
+def test_cli_names_the_draft_models_option_and_refuses_a_server_with_spaces(capsys):
+    from engine.cli import main as cli_main
+
+    assert cli_main(["generate", "hi", "--spec", "draft", "--draft-model", "/nonexistent"]) == 2
+    assert "hybridspec: error: --draft-model /nonexistent: " in capsys.readouterr().err  # was `--model directory`
+    assert cli_main(["generate", "hi", "--server", " 127.0.0.1:1"]) == 2
+    assert "--server must not contain spaces" in capsys.readouterr().err
+
+
+def test_python_api_names_a_prompt_or_stop_that_is_not_unicode(llm):
+    from clients.client import build_request
+    from engine import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=r"^prompt is not valid Unicode text: a lone surrogate U\+DCFF"):
+        llm.generate("ab\udcffcd")
+    with pytest.raises(InvalidRequest, match=r"^stop\[1\] is not valid Unicode text"):
+        SamplingParams(stop=["ok", "\ud800"])
+    with pytest.raises(ValueError, match=r"^prompt is not valid Unicode text"):
+        build_request("\udcff")
+    with pytest.raises(ValueError, match=r"^sampling.stop\[0\] is not valid Unicode text"):
+        build_request("hi", stop=["\udcff"])
+
+
 def test_serve_checks_speculation_options_like_the_python_api():
     from engine.llm import AVAILABLE_SPEC, SPEC_METHODS
 
@@ -134,12 +193,14 @@ def test_serve_checks_speculation_options_like_the_python_api():
     # a method this build lacks if there is one; else an option combination the Python API rejects
     args, kwargs = ((["--spec", unavailable[0]], {"spec": unavailable[0]}) if unavailable
                     else (["--spec", "draft"], {"spec": "draft"}))  # draft without --draft-model
+    from engine.cli import as_flags, build_parser
+
     with pytest.raises(ValueError) as err:
         LLM(**kwargs)
     out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert str(err.value) in out.stderr
+    assert as_flags(str(err.value), build_parser(), "serve") in out.stderr
 
 
 def test_sigterm_drains_and_exits_cleanly():

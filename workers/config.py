@@ -284,4 +284,8 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e}){lfs_pointer_hint(path)}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:  # which config.json: the target's or a draft model's
+            raise ConfigError(f"{path}{str(e)[len('config.json'):]}" if str(e).startswith("config.json:")
+                              else f"{path}: {e}") from None
