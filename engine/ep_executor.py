@@ -16,7 +16,11 @@ cost: N copies of the KV/GDN pools; per-rank pools are not done).
 
 Failure: a gloo/NCCL group cannot lose a member. When any rank dies (or a step fails on one), every actor is
 killed, the call raises WorkerLost (the engine fails its running requests with UNAVAILABLE), and the next call
-builds a new group of N actors and serves again.
+builds a new group of N actors and serves again. Where no request had state on the group (a rank died while the
+engine was idle), the step is not failed: it runs again, once, on a new group.
+
+Start-up refuses what Ray could never place (N actors of one GPU, or one CPU, each: more than the cluster has)
+and a device naming a card ("cuda:1": Ray picks each rank's GPU).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +37,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from engine.executor import WorkerLost, WorkerSpec, build_runner
-from engine.ray_executor import DEFAULT_NUM_CPUS, _init_ray
+from engine.ray_executor import DEFAULT_NUM_CPUS, _init_ray, check_cluster_fits, check_ray_device, shutdown_ray
 from scheduler.types import StepRequest, StepResult
 from workers.expert_parallel import ExpertParallelActor, step_rows_bound
 
@@ -52,14 +57,21 @@ class ExpertParallelExecutor:
         self.world_size = int(spec.expert_parallel)
         if self.world_size < 1:
             raise ValueError(f"expert_parallel must be an integer >= 1, got {spec.expert_parallel!r}")
+        check_ray_device(spec.device)
+        self._shutdown_lock = threading.Lock()
         self._owns_ray = _init_ray(address, max(DEFAULT_NUM_CPUS, self.world_size))
         self.on_gpu = spec.device.startswith("cuda")
+        try:  # each rank: one GPU (or one CPU), as _start asks Ray for
+            check_cluster_fits(f"expert_parallel {self.world_size}", self.world_size, 1 if self.on_gpu else 0, 1)
+        except ValueError:
+            if self._owns_ray:
+                shutdown_ray()
+            raise
         # Ray gives each actor one GPU through CUDA_VISIBLE_DEVICES ("cuda" inside it); no CUDA graphs (not done
         # under EP yet: the exchange's shapes follow each step's row bounds); no start-up profile (it would run
         # the exchange outside the lockstep of engine steps): the learned policies explore for their first steps
         # instead
-        self.spec = dataclasses.replace(spec, device="cuda" if self.on_gpu else spec.device,
-                                        graph_pages_per_request=0, startup_profile=False)
+        self.spec = dataclasses.replace(spec, graph_pages_per_request=0, startup_profile=False)
         self.placement = placement
         self.start_timeout_s, self.group_timeout_s = start_timeout_s, group_timeout_s
         self.actors: list[Any] = []
@@ -136,6 +148,16 @@ class ExpertParallelExecutor:
         if orphans:  # their KV/GDN state was on a group that is gone (lost while the engine was between steps)
             raise WorkerLost(f"{len(orphans)} running request(s) lost their state with a rebuilt expert-parallel "
                              "group")
+        if self.owner:  # requests have state on the group: losing a rank fails them
+            return self._execute(requests)
+        try:
+            return self._execute(requests)
+        except WorkerLost as e:  # lost while it held no request's state (a rank died while the engine was idle)
+            log.warning("%s; no request had state on it: the step runs again on a new group", e)
+            self._start()
+            return self._execute(requests)
+
+    def _execute(self, requests: list[StepRequest]) -> StepResult:
         per_rank: list[list[StepRequest]] = [[] for _ in range(self.world_size)]
         for r in requests:
             per_rank[self._rank_of(r.request_id)].append(r)
@@ -171,10 +193,13 @@ class ExpertParallelExecutor:
         return self._gather([a.expert_bytes.remote() for a in self.actors])
 
     def shutdown(self) -> None:
-        if not self.actors and getattr(self, "_shut", False):
-            return
-        self._shut = True
-        self._teardown()
-        if self._owns_ray:
-            ray.shutdown()
-            self._owns_ray = False
+        """Kills the ranks and stops the local Ray this executor started. Any thread, any number of times (the
+        server's exit on a second signal may call it while the engine's shutdown does)."""
+        with self._shutdown_lock:
+            if not self.actors and getattr(self, "_shut", False):
+                return
+            self._shut = True
+            self._teardown()
+            if self._owns_ray:
+                shutdown_ray()
+                self._owns_ray = False

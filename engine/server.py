@@ -3,7 +3,9 @@
 grpc.aio on uvloop. Services: hybridspec.v1.Generation (Generate, GetStats), grpc.health.v1.Health and server
 reflection (v1, v1alpha). Optional Prometheus text metrics on their own port. SIGTERM (or Ctrl-C): health goes
 NOT_SERVING, new requests get UNAVAILABLE, in-flight requests may finish until the drain timeout and are then
-aborted (their streams end with finish_reason "abort"), and the process exits 0.
+aborted (their streams end with finish_reason "abort"), and the process exits 0. A second signal exits at once,
+killed by that signal, after shutting down the executor (a local Ray this process started would otherwise leave
+its raylet, GCS and agents behind); a third one does not wait for that.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -227,6 +230,39 @@ class Server:
         return aborted
 
 
+def say(line: str) -> None:
+    """A status line on stderr. Once nobody reads stderr (its pipe closed: `serve 2>&1 | head -1`, a log reader
+    gone) stderr goes to /dev/null instead: a BrokenPipeError in a signal handler would leave the server deaf to
+    SIGTERM, and one at exit would change the exit status."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # BrokenPipeError, or stderr closed
+        _lost_stderr.append(sys.stderr)  # kept alive: collecting it would close fd 2
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)  # grpc's and Ray's own writes to fd 2 too
+            os.close(devnull)
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+
+
+_lost_stderr: list = []
+
+
+def exit_at_once(core: EngineCore, signum: int) -> None:
+    """A second SIGTERM / SIGINT: shuts the executor down (its Ray actors, and the local Ray this process started:
+    the default action of the signal would leave that Ray's raylet, GCS and agents running), then dies of the
+    signal. A further signal meanwhile gets the default action at once."""
+    say(f"hybridspec: {signal.Signals(signum).name} again: exiting now")
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        core.shutdown()  # (each executor's shutdown may run beside the one a draining server started)
+    except Exception:  # noqa: BLE001 - exiting regardless
+        log.exception("shutting the executor down failed")
+    finally:
+        os.kill(os.getpid(), signum)
+
+
 def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
     """Runs `main` on uvloop when it is installed (asyncio otherwise)."""
     try:
@@ -243,19 +279,17 @@ async def serve_until_signal(core: EngineCore, options: ServeOptions, descriptio
     stop = asyncio.Event()
 
     def on_signal(signum: int) -> None:
-        print(f"hybridspec: {signal.Signals(signum).name}: draining (up to {options.drain_timeout:g}s)",
-              file=sys.stderr, flush=True)
-        for s in (signal.SIGTERM, signal.SIGINT):  # a second signal gets the default behaviour (exit at once)
-            loop.remove_signal_handler(s)
+        say(f"hybridspec: {signal.Signals(signum).name}: draining (up to {options.drain_timeout:g}s)")
+        for s in (signal.SIGTERM, signal.SIGINT):  # a second signal exits at once
+            loop.add_signal_handler(s, exit_at_once, core, s)
         stop.set()
 
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, on_signal, s)
     extra = f", metrics on http://{host_port(options.host, server.metrics_port)}/metrics" \
         if server.metrics_port is not None else ""
-    print(f"hybridspec: listening on {host_port(options.host, port)}{description}{extra}", file=sys.stderr,
-          flush=True)
+    say(f"hybridspec: listening on {host_port(options.host, port)}{description}{extra}")
     await stop.wait()
     aborted = await server.stop()
-    print(f"hybridspec: stopped ({aborted} in-flight requests aborted)", file=sys.stderr, flush=True)
+    say(f"hybridspec: stopped ({aborted} in-flight requests aborted)")
     return 0

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import socket
+import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -74,3 +77,33 @@ async def final_status(client, prompt: str, max_new_tokens: int) -> Any:
     except grpc.aio.AioRpcError as e:
         return e.code()
     return "no final chunk"
+
+
+class StderrLines:
+    """A started process's stderr, read line by line on a thread: `stderr` holds every line so far, wait_for
+    returns the first new one containing a text."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if text in line:
+                return line
+        raise AssertionError(f"the process never printed {text!r}; stderr:\n{''.join(self.stderr)}")

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,43 +18,21 @@ import pytest
 from clients.cli import stream_generate
 from clients.client import GenerationClient
 from engine import LLM, SamplingParams
-from serving import one_torch_thread, run  # noqa: F401  (fixture)
+from serving import StderrLines, one_torch_thread, run  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 2048
 
 
-class ServerProcess:
+class ServerProcess(StderrLines):
     """`python -m engine.cli serve --port 0 ...` with its stderr collected line by line."""
 
     def __init__(self, *args: str):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
+        super().__init__(subprocess.Popen(
             [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN), *args],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.target = self._wait_for("listening on ", 120.0).split("listening on ")[1].split()[0]
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            self.lines.put(line)
-
-    def _wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if text in line:
-                return line
-        raise AssertionError(f"server never printed {text!r}; stderr:\n{''.join(self.stderr)}")
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        self.target = self.wait_for("listening on ", 120.0).split("listening on ")[1].split()[0]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -221,7 +197,7 @@ def test_sigterm_drains_and_exits_cleanly():
                 while (await client.stats()).requests_total < 2:  # both admitted before the signal
                     await asyncio.sleep(0.02)
                 proc.proc.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(proc._wait_for, "SIGTERM", 10.0)
+                await asyncio.to_thread(proc.wait_for, "SIGTERM", 10.0)
                 late_code = None
                 try:
                     await client.complete("late", max_new_tokens=2, timeout=5)
@@ -238,3 +214,24 @@ def test_sigterm_drains_and_exits_cleanly():
         assert any("stopped (1 in-flight requests aborted)" in line for line in proc.stderr), proc.stderr
     finally:
         proc.stop()
+
+
+def test_sigterm_stops_a_server_whose_stderr_reader_is_gone():
+    """Before: the SIGTERM handler's "draining" line raised BrokenPipeError on a closed stderr pipe (`serve 2>&1 |
+    head -1`, a dead log reader), so neither that signal nor any later one stopped the server."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--max-model-len",
+                             str(MAX_MODEL_LEN)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        while "listening on " not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() < deadline, "the server never listened"
+        proc.stderr.close()  # nobody reads the server's stderr any more
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -5,7 +5,8 @@
   which counts the experts activated on every rank), an uneven expert placement;
 - the engine: 2 Ray actors (`executor="ray", expert_parallel=2`) give the local executor's greedy tokens for
   concurrent requests, with speculation off and with ngram drafts; killing one actor fails the in-flight requests
-  with UNAVAILABLE, the group is rebuilt and the next request gets the right tokens;
+  with UNAVAILABLE, the group is rebuilt and the next request gets the right tokens; killed while idle, it fails
+  nothing; more ranks than the Ray cluster's GPUs / CPUs are refused at start-up (Ray would never place them);
 - the CLI's --expert-parallel validation.
 """
 
@@ -375,6 +376,37 @@ def test_killed_rank_fails_in_flight_with_unavailable_and_the_rebuilt_group_serv
             assert stats.free_pages == stats.total_pages and stats.free_slots == stats.total_slots
 
     run(main(), timeout=180.0)
+
+
+def test_a_rank_killed_while_idle_fails_nothing_and_a_new_group_serves(local, on_ep):
+    """Before: the first request after an idle rank's death failed with UNAVAILABLE though it had lost nothing."""
+    executor = on_ep.engine.executor
+    expected = local.generate("idle", _params()[0])[0].token_ids
+    assert on_ep.generate("idle", _params()[0])[0].token_ids == expected
+    started, old = executor.groups_started, executor.worker_pids()
+    ray.kill(executor.actors[1])
+    assert on_ep.generate("idle", _params()[0])[0].token_ids == expected
+    assert executor.groups_started == started + 1 and not set(executor.worker_pids()) & set(old)
+
+
+def test_more_ranks_than_the_cluster_holds_are_refused_before_any_waits(on_ep, monkeypatch):
+    """The fixture's Ray has 2 CPUs: 3 ranks of one CPU each would never all be placed (the engine waited for
+    them until start_timeout_s); on GPUs, each rank needs one."""
+    import engine.ep_executor as epx
+    from engine.executor import WorkerSpec
+
+    def no_group(self):
+        raise AssertionError("no rank may be started for a group the cluster cannot hold")
+
+    monkeypatch.setattr(epx.ExpertParallelExecutor, "_start", no_group)
+    with pytest.raises(ValueError, match=r"^expert_parallel 3 needs 3 CPUs, the Ray cluster has 2$"):
+        epx.ExpertParallelExecutor(WorkerSpec("unused", "float32", "cpu", 4, 16, 2, expert_parallel=3))
+    assert ray.is_initialized()  # the fixture's Ray (joined, not started here) is left running
+
+    monkeypatch.setattr(epx, "_init_ray", lambda address, num_cpus: False)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    with pytest.raises(ValueError, match=r"^expert_parallel 4 needs 4 GPUs, the Ray cluster has 1$"):
+        epx.ExpertParallelExecutor(WorkerSpec("unused", "float32", "cuda", 4, 16, 2, expert_parallel=4))
 
 
 # ------------------------------------------------------------------------------------------- the CLI

@@ -25,7 +25,11 @@ class RunnerActor:
         """(incarnation, process id) once the runner is built."""
         return self.incarnation, os.getpid()
 
-    def execute(self, requests: list[StepRequest]) -> tuple[str, StepResult]:
+    def execute(self, requests: list[StepRequest], incarnation: str | None = None) -> tuple[str, StepResult | None]:
+        """Runs a step meant for `incarnation` (None: for any): a restarted actor, meant for none of the
+        requests' state, runs nothing and answers None with its own incarnation."""
+        if incarnation is not None and incarnation != self.incarnation:
+            return self.incarnation, None
         return self.incarnation, self.runner.execute(requests)
 
     def release(self, request_ids: list[str]) -> str:
