@@ -55,6 +55,21 @@ def test_chunked_prefill_gives_the_same_tokens(llm):
         r.token_ids for r in llm.generate(PROMPTS, params)]
 
 
+@pytest.mark.parametrize("policy", ["budget", "hybridspec"])
+def test_learned_policies_plan_beside_a_long_chunked_prefill(llm, policy):
+    """Before (stress audit): `budget` failed every step with "token cost table is empty" once its latency model
+    had fitted on prefill chunks alone (a long prompt chunked beside a drafting decode), and went on failing for
+    every later request: its token-count table learns only decode and verification steps."""
+    long = [20 + i % 200 for i in range(1000)]  # ~16 chunks of 64 tokens beside the short request's decode
+    prompts = ["a = 1\na = 1\na = 1\na", long]
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    spec = LLM(spec="ngram", policy=policy, max_step_tokens=64)
+    got = spec.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in llm.generate(prompts, params)]
+    assert got[0].stats.draft_tokens > 0
+    assert spec.generate(prompts[:1], params[0])[0].finish_reason == "length"  # and the next request too
+
+
 def test_seed_reproduces_a_sampled_stream_whatever_else_runs(llm):
     p = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_new_tokens=10, seed=42, ignore_eos=True)
     alone = llm.generate(["hello"], p)[0].token_ids

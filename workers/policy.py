@@ -525,7 +525,9 @@ class LengthPolicy:
         if self.name == "ar":
             return [0] * len(caps)
         caps = [min(c, len(conf)) for c, conf in zip(caps, confidences)]
-        if self.name == "fixed" or not self.warm():
+        if self.name == "fixed" or not self.warm() or (self.name == "budget" and not self.token_costs.tokens):
+            # (budget: warm by a latency model fitted on prefill chunks alone, its token-count table still empty:
+            # it explores until a decode or verification step has been timed)
             return fixed_lengths(caps, self.max_verify_len)
         # [B, K] calibrated acceptance (0 past each request's drafts: caps are clipped to them) -> survival
         # (stale_ok: the maps' rebuild is left to the observation, off the critical path on CUDA). A few drafts go
