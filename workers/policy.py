@@ -381,7 +381,11 @@ class LengthPolicy:
         return cap
 
     def warm(self) -> bool:
-        return (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
+        """Whether the learned plan has what it prices with: a fitted latency model, and for `budget` its
+        token-count table (it learns only decode and verification steps: a model fitted on prefill chunks alone
+        leaves it empty, and `budget` explores until one is timed)."""
+        ready = (self.profiled or self.steps >= WARMUP_STEPS) and self.latency.fitted
+        return ready and (self.name != "budget" or bool(self.token_costs.tokens))
 
     def wants_cycle(self, batch_size: int) -> bool:
         """Whether hybridspec's gate wants the next step's cycle timed (SpeculationGate.wants_sample), after a step
@@ -525,9 +529,7 @@ class LengthPolicy:
         if self.name == "ar":
             return [0] * len(caps)
         caps = [min(c, len(conf)) for c, conf in zip(caps, confidences)]
-        if self.name == "fixed" or not self.warm() or (self.name == "budget" and not self.token_costs.tokens):
-            # (budget: warm by a latency model fitted on prefill chunks alone, its token-count table still empty:
-            # it explores until a decode or verification step has been timed)
+        if self.name == "fixed" or not self.warm():
             return fixed_lengths(caps, self.max_verify_len)
         # [B, K] calibrated acceptance (0 past each request's drafts: caps are clipped to them) -> survival
         # (stale_ok: the maps' rebuild is left to the observation, off the critical path on CUDA). A few drafts go
