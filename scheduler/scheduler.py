@@ -4,7 +4,8 @@ First come, first served. Running requests keep their place; each step every run
 uncomputed tokens gets them (a decode needs 1; a long prompt is cut into chunks under the per-step token
 budget so it does not stall the decodes). Only then do decodes get their draft caps (pages and budget for
 speculative tokens), from what is left: drafts never take a running request's own token out of a step nor get
-anyone preempted. Waiting requests are admitted in arrival order while a state slot and pages are free. When a
+anyone preempted. Waiting requests are admitted in arrival order while a state slot is free and the pages for
+their whole prompt are free beyond what the running requests still need for theirs. When a
 running request cannot get a page for its own tokens, the youngest running request is preempted: its memory is
 released and it goes back to the front of the queue, to be recomputed later.
 """
@@ -135,12 +136,24 @@ class Scheduler:
             cap = self.memory.grow_upto(request.request_id, fed, fed + chunk.draft_cap) - fed
             budget += chunk.draft_cap - cap
             chunk.draft_cap = cap
-        # 3. waiting requests in arrival order while memory, slots and the token budget allow
+        # 3. waiting requests in arrival order while memory, slots and the token budget allow. A request is admitted
+        # only when the pages for its whole prompt (and first sampled token) are free beyond those the running
+        # requests still need for theirs: admitting on its first chunk alone let it take pages a running request
+        # grew into a few steps later, so it was preempted, re-admitted and preempted again, its prefill recomputed
+        # each time (a pool of about one long request: 5x the tokens, 100 preemptions for 6 requests)
+        owed = None  # pages the running requests still need to reach their whole length + 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not plan.preempted:
             request = self.waiting[0]
             n = min(request.num_tokens, budget)
             if not self.memory.can_admit(n):
                 break
+            if self.running:
+                if owed is None:
+                    owed = sum(self._pages_owed(r) for r in self.running)
+                whole = self.memory.pages.pages_for(request.num_tokens + 1)
+                if whole + owed > self.memory.pages.num_free():
+                    break
+                owed += whole - self.memory.pages.pages_for(n)
             self.waiting.popleft()
             self.memory.admit(request.request_id, n)
             request.status, request.num_computed = RequestStatus.RUNNING, 0
@@ -168,6 +181,12 @@ class Scheduler:
         room = self.max_model_len - request.num_tokens
         most = self.max_draft if self.draft_hint is None else min(self.max_draft, self.draft_hint)
         return max(0, min(most, remaining - 1, room - 1, budget))
+
+    def _pages_owed(self, request: Request) -> int:
+        """Pages a running request does not hold yet for its whole length + 1 (the rest of its prompt or its
+        next token)."""
+        held = len(self.memory.table(request.request_id).pages)
+        return max(0, self.memory.pages.pages_for(request.num_tokens + 1) - held)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.memory.release(request.request_id)

@@ -102,6 +102,43 @@ def test_page_shortage_preempts_the_youngest_and_it_resumes_later():
                               "running_requests": 0}
 
 
+@pytest.mark.parametrize("pool_requests", [1.0, 1.3, 1.6, 2.2])
+def test_long_prompts_in_a_tight_pool_are_admitted_whole_not_preempted_chunk_by_chunk(pool_requests):
+    """A pool of about one long request: a waiting request admitted on its first chunk alone took pages the running
+    one grew into, was preempted, re-admitted and preempted again (fed 5x the tokens, ~100 preemptions for 6
+    requests). Admission now waits until its whole prompt fits beside what the running requests still need."""
+    prompt, max_new, page = 400, 24, 16
+    pages = int(pool_requests * -(-(prompt + max_new) // page))
+    sched = Scheduler(MemoryManager(pages, page, 8), 8, max_step_tokens=64, max_model_len=2048)
+    reqs = [make(f"r{i}", prompt, max_new) for i in range(6)]
+    for r in reqs:
+        sched.add(r)
+    fed = 0
+    for _ in range(2000):
+        if not sched.has_work():
+            break
+        fed += sum(run_step(sched).values())
+    assert all(r.finished and len(r.output_ids) == max_new for r in reqs)
+    assert sum(r.stats.preemptions for r in reqs) == 0
+    assert fed == 6 * (prompt + max_new - 1)  # nothing recomputed
+
+
+def test_a_request_preempted_by_decode_growth_waits_until_its_whole_length_fits():
+    """Two requests that fit together at admission but not at their final length: the younger is preempted once
+    (decode growth, not admission, ran out of pages) and is not re-admitted while it cannot fit whole."""
+    memory = MemoryManager(num_pages=10, page_size=4, num_slots=2)
+    sched = Scheduler(memory, 2, max_step_tokens=64, max_model_len=64)
+    old, young = make("old", 8, max_new=16), make("young", 8, max_new=16)  # 6 pages each at the end
+    sched.add(old)
+    sched.add(young)
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        run_step(sched)
+    assert old.finished and young.finished and len(young.output_ids) == 16
+    assert old.stats.preemptions == 0 and young.stats.preemptions == 1
+
+
 def test_abort_of_waiting_and_running_requests_frees_their_memory():
     memory = MemoryManager(16, 4, 1)
     sched = Scheduler(memory, 1, 64, 64)
