@@ -23,6 +23,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.types import InvalidRequest, SamplingParams
 from workers.cache import ModelCache
 from workers.config import ModelConfig
+from workers.footprint import Footprint, model_footprint, mtp_footprint
 from engine.executor import EXECUTORS, WorkerSpec, create_executor
 
 log = logging.getLogger("hybridspec.engine")
@@ -107,6 +108,38 @@ class _Live:
     emitted_chars: int = 0
 
 
+GIB = 1 << 30
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def plan_kv_pages(free: int, total: int, wanted: int, page_size: int, max_running: int, max_model_len: int,
+                  target: Footprint, drafter: Footprint | None = None, drafter_slots: int = 0,
+                  device: str = "cuda") -> int:
+    """KV pages for a GPU with `free` of `total` bytes free before the worker starts: at most `wanted`, within what
+    is left after the target's weights and its max_running + 1 GDN slots, a drafter's weights, slots and its own KV
+    per page, and a reserve (max(4 GiB, 10% of the card)) for activations, logits, CUDA graphs and the allocator's
+    slack. Raises ValueError when that leaves less than one request of max_model_len tokens."""
+    reserve = max(4 * GIB, total // 10)
+    fixed = target.weight_bytes + (max_running + 1) * target.state_bytes_per_slot
+    page_bytes = target.kv_bytes_per_token * page_size
+    if drafter is not None:
+        fixed += drafter.weight_bytes + drafter_slots * drafter.state_bytes_per_slot
+        page_bytes += drafter.kv_bytes_per_token * page_size
+    page_bytes = max(page_bytes, 1)
+    room = free - fixed - reserve
+    one_request = -(-max_model_len // page_size)
+    if room < one_request * page_bytes:
+        raise ValueError(
+            f"{device} has {_size(free)} free: the weights and the GDN state of max_running {max_running} requests "
+            f"need {_size(fixed)} and activations / CUDA graphs {_size(reserve)}, which leaves {_size(max(room, 0))} "
+            f"of KV, less than one request of max_model_len {max_model_len} tokens needs "
+            f"({_size(one_request * page_bytes)}): lower max_model_len or max_running, or use a card with more memory")
+    return max(1, min(wanted, room // page_bytes))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
@@ -148,17 +181,27 @@ class EngineCore:
         self.policy_stats: dict[str, float] = {}  # the worker's latest latency-model / calibration errors
 
     def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
-        """Enough pages for max_running requests of max_model_len tokens, within a KV memory budget
-        (2 GiB on CPU; half of the free memory on a GPU)."""
+        """Enough pages for max_running requests of max_model_len tokens, within a KV memory budget: 2 GiB on
+        CPU; on a GPU what its free memory leaves after the worker's weights and GDN state (and a drafter's) and a
+        reserve for activations and CUDA graphs (plan_kv_pages)."""
         cfg = self.config
         wanted = cfg.max_running * -(-self.max_model_len // cfg.page_size)
-        page_bytes = max(ModelCache.kv_bytes_per_token(self.model_config, dtype) * cfg.page_size, 1)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = free // 2
-        else:
-            budget = 2 << 30
-        return max(1, min(wanted, budget // page_bytes))
+        if device.type != "cuda":
+            page_bytes = max(ModelCache.kv_bytes_per_token(self.model_config, dtype) * cfg.page_size, 1)
+            return max(1, min(wanted, (2 << 30) // page_bytes))
+        target = model_footprint(self.model_config, dtype)
+        drafter, drafter_slots = None, 0
+        try:
+            if cfg.spec == "mtp":
+                drafter, drafter_slots = mtp_footprint(self.model_config, self.model_dir, dtype), cfg.max_running + 1
+            elif cfg.spec in ("draft", "replay") and cfg.draft_model is not None:
+                drafter = model_footprint(ModelConfig.from_dir(cfg.draft_model), dtype)
+                drafter_slots = 2 * cfg.max_running + 1  # (DraftModelDrafter: a slot per request and its rollback)
+        except (OSError, ValueError):
+            pass  # the worker names what is wrong with the drafter's checkpoint
+        free, total = torch.cuda.mem_get_info(device)
+        return plan_kv_pages(free, total, wanted, cfg.page_size, cfg.max_running, self.max_model_len, target,
+                             drafter, drafter_slots, str(device))
 
     # ---- requests ---------------------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int]) -> None:

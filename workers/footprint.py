@@ -1,0 +1,62 @@
+"""What a worker will hold on its device, computed before it loads anything: weights, per-token KV, per-slot GDN
+state, for the target and for a drafter with a model of its own. The engine sizes the KV page pool from it (the
+pool is allocated before any weights are read, so free memory alone does not say what is left for KV).
+
+Weights are counted on the meta device (the same modules the worker builds, no storage). An expert-parallel rank
+counts them all: it loads every weight and allocates its cache before it keeps its share of the experts
+(workers/expert_parallel.py shard_model_), so its peak holds them all beside the pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Footprint:
+    weight_bytes: int  # resident weights on one device
+    kv_bytes_per_token: int  # attention KV, all layers
+    state_bytes_per_slot: int  # GDN recurrent state + conv window, all layers
+
+    def __add__(self, other: "Footprint") -> "Footprint":
+        return Footprint(self.weight_bytes + other.weight_bytes, self.kv_bytes_per_token + other.kv_bytes_per_token,
+                         self.state_bytes_per_slot + other.state_bytes_per_slot)
+
+
+def _state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV bytes per token, GDN bytes per slot), as workers/cache.py's ModelCache allocates them."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    kv = state = 0
+    for kind in cfg.layer_types:
+        if kind == "full_attention":
+            kv += 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+        else:
+            state += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32
+            state += cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
+    return kv, state
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def model_footprint(cfg: ModelConfig, dtype: torch.dtype) -> Footprint:
+    """The target (or a draft model): HybridModel's weights and its cache's per-token / per-slot bytes."""
+    from workers.model import HybridModel
+
+    kv, state = _state_bytes(cfg, dtype)
+    return Footprint(_weight_bytes(HybridModel(cfg, dtype, "meta")), kv, state)
+
+
+def mtp_footprint(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype) -> Footprint:
+    """The MTP head of the target's checkpoint (spec 'mtp'): its layers' weights and its own cache."""
+    from workers.mtp import MTPHead, count_mtp_layers
+
+    head = MTPHead(cfg, count_mtp_layers(model_dir), dtype, "meta")
+    kv, state = _state_bytes(head.config, dtype)
+    return Footprint(_weight_bytes(head), kv, state)
