@@ -71,7 +71,7 @@ class EngineConfig:
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         for name, optional in (("page_size", False), ("max_running", False), ("max_step_tokens", False),
-                               ("num_pages", True), ("max_model_len", True)):
+                               ("num_pages", True), ("max_model_len", True), ("expert_parallel", False)):
             value = getattr(self, name)
             if optional and value is None:
                 continue  # the engine sizes it
@@ -119,7 +119,7 @@ def plan_kv_pages(free: int, total: int, wanted: int, page_size: int, max_runnin
                   target: Footprint, drafter: Footprint | None = None, drafter_slots: int = 0,
                   device: str = "cuda") -> int:
     """KV pages for a GPU with `free` of `total` bytes free before the worker starts: at most `wanted`, within what
-    is left after the target's weights and its max_running + 1 GDN slots, a drafter's weights, slots and its own KV
+    is left after the target's weights (one expert-parallel rank's) and its max_running + 1 GDN slots, a drafter's weights, slots and its own KV
     per page, and a reserve (max(4 GiB, 10% of the card)) for activations, logits, CUDA graphs and the allocator's
     slack. Raises ValueError when that leaves less than one request of max_model_len tokens."""
     reserve = max(4 * GIB, total // 10)
@@ -189,7 +189,7 @@ class EngineCore:
         if device.type != "cuda":
             page_bytes = max(ModelCache.kv_bytes_per_token(self.model_config, dtype) * cfg.page_size, 1)
             return max(1, min(wanted, (2 << 30) // page_bytes))
-        target = model_footprint(self.model_config, dtype)
+        target = model_footprint(self.model_config, dtype, cfg.expert_parallel)
         drafter, drafter_slots = None, 0
         try:
             if cfg.spec == "mtp":

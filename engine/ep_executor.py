@@ -11,8 +11,9 @@ all-to-all), with every rank's row bound for the step (`step_rows_bound` of what
 exchanges' static split sizes), and waits for all; the step's StepResult is the union of the ranks', and its
 `step_ms` the slowest rank's (`last_rank_ms` keeps each rank's target forward time).
 
-Page and slot ids are the engine's global ones, so every rank allocates the full page and slot pools (memory
-cost: N copies of the KV/GDN pools; per-rank pools are not done).
+Each rank loads only its share of the routed experts (ModelRunner.create's `local_experts`) and every other
+weight. Page and slot ids are the engine's global ones, so every rank allocates the full page and slot pools
+(memory cost: N copies of the KV/GDN pools; per-rank pools are not done).
 
 Failure: a gloo/NCCL group cannot lose a member. When any rank dies (or a step fails on one), every actor is
 killed, the call raises WorkerLost (the engine fails its running requests with UNAVAILABLE), and the next call
@@ -39,6 +40,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from engine.executor import WorkerLost, WorkerSpec, build_runner
 from engine.ray_executor import DEFAULT_NUM_CPUS, _init_ray, check_cluster_fits, check_ray_device, shutdown_ray
 from scheduler.types import StepRequest, StepResult
+from workers.config import ModelConfig
 from workers.expert_parallel import ExpertParallelActor, step_rows_bound
 
 log = logging.getLogger(__name__)
@@ -88,8 +90,12 @@ class ExpertParallelExecutor:
         actor_cls = ray.remote(ExpertParallelActor).options(
             max_restarts=0, max_task_retries=0, num_cpus=1, num_gpus=1 if self.on_gpu else 0)
         factory = functools.partial(build_runner, self.spec)
+        # each rank loads only its share of the routed experts (their numbers per MoE layer, from config.json)
+        cfg = ModelConfig.from_dir(self.spec.model_dir)
+        experts_per_layer = [cfg.num_experts for moe in cfg.moe_layers if moe]
         self.actors = [actor_cls.remote(factory, rank, self.world_size, init_method, self.spec.device,
-                                        self.placement, self.group_timeout_s, None if self.on_gpu else 1)
+                                        self.placement, self.group_timeout_s, None if self.on_gpu else 1,
+                                        experts_per_layer)
                        for rank in range(self.world_size)]
         try:
             ready = ray.get([a.ready.remote() for a in self.actors], timeout=self.start_timeout_s)

@@ -39,10 +39,12 @@ class WorkerSpec:
     freeze_heap: bool = False  # after start-up, freeze the process's objects out of the cyclic GC (freeze_heap)
 
 
-def build_runner(spec: WorkerSpec) -> ModelRunner:
+def build_runner(spec: WorkerSpec, local_experts=None) -> ModelRunner:
+    """The worker's runner, drafter, graphs and profile. `local_experts`: an expert-parallel rank's share of each
+    MoE layer's experts, the only ones it loads (ExpertParallelActor)."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
     runner = ModelRunner.create(ModelConfig.from_dir(spec.model_dir), Path(spec.model_dir), dtype, spec.device,
-                                spec.num_pages, spec.page_size, spec.num_slots)
+                                spec.num_pages, spec.page_size, spec.num_slots, local_experts=local_experts)
     runner.set_policy(spec.policy, spec.max_verify_len)
     if spec.spec == "mtp":
         from workers.mtp import MTPDrafter

@@ -475,3 +475,57 @@ def test_requests_whose_group_was_rebuilt_between_steps_fail_instead_of_running_
     running = StepRequest("r1", [5], 12, [0], 0, True, SamplingParams(), 0, [])
     with pytest.raises(WorkerLost, match="lost their state"):
         ex.execute([running])
+
+
+# ---- a rank loads only its experts ----------------------------------------------------------------------------
+def _expert_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in model.state_dict().items() if ".mlp.experts." in n}
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused", "random"])
+def test_a_rank_loads_only_its_experts_with_the_whole_models_values(tmp_path, layout):
+    """ModelRunner.create(local_experts=...) (what an expert-parallel rank builds): every MoE layer's experts are
+    those rows of the whole model's, nothing else differs, and no tensor is left on the meta device: the full
+    expert tensors never reach the rank's device (before, a rank loaded them all and then dropped the others)."""
+    from bench.bench_model_dir import tiny_config, write_bench_model_dir
+    from checkpoints import fuse_experts, make_qwen35_moe
+    from workers.config import ModelConfig
+    from workers.expert_parallel import plan_shards
+    from workers.runner import ModelRunner
+
+    if layout == "random":
+        model_dir = write_bench_model_dir(tmp_path / "m", routing="zipf", seed=2, config=tiny_config(4))
+    else:
+        model_dir = make_qwen35_moe(tmp_path / "m")
+        if layout == "fused":
+            model_dir = fuse_experts(model_dir, tmp_path / "fused")
+    cfg = ModelConfig.from_dir(model_dir)
+    whole = ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2).model
+    experts_per_layer = [cfg.num_experts for moe in cfg.moe_layers if moe]
+    placement = [[(e * 7 + j) % 3 for e in range(n)] for j, n in enumerate(experts_per_layer)]  # uneven, per layer
+    for rank in range(3):
+        shards = plan_shards(experts_per_layer, rank, 3, placement)
+        local = [s.local_experts for s in shards]
+        part = ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2, local_experts=local).model
+        assert not any(t.is_meta for t in part.state_dict().values())
+        ref = whole.state_dict()
+        keep = iter(local)
+        for name, t in part.state_dict().items():
+            if ".mlp.experts." in name:
+                rows = next(keep) if name.endswith("gate_up_proj") else rows
+                assert torch.equal(t, ref[name][rows]), name
+            else:
+                assert torch.equal(t, ref[name]), name
+        assert sum(t.numel() for t in _expert_tensors(part).values()) < sum(
+            t.numel() for t in _expert_tensors(whole).values())
+
+
+def test_local_experts_for_another_model_are_refused(tmp_path):
+    from checkpoints import make_qwen35_moe
+    from workers.config import ModelConfig
+    from workers.runner import ModelRunner
+
+    model_dir = make_qwen35_moe(tmp_path / "m")
+    cfg = ModelConfig.from_dir(model_dir)
+    with pytest.raises(ValueError, match=r"local_experts has 1 lists, the model \d+ MoE layers"):
+        ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2, local_experts=[[0]])

@@ -123,3 +123,18 @@ def test_engine_sizes_the_pool_from_the_footprint_on_a_gpu(monkeypatch, tmp_path
     core = _engine_on_a_fake_gpu(monkeypatch, 4 * GIB, 16 * GIB, max_running=8)
     with pytest.raises(ValueError, match=r"cuda has 4\.0 GiB free: .* MiB .* less than one request of max_model_len 4096"):
         core._auto_num_pages(torch.bfloat16, torch.device("cuda"))
+
+
+def test_an_expert_parallel_rank_counts_its_share_of_the_experts(tmp_path):
+    """ModelRunner.create(local_experts=...) keeps at most ceil(E / N) experts a layer on a rank: the footprint
+    counts the largest rank's share (and every non-expert weight in full)."""
+    from workers.expert_parallel import plan_shards
+
+    model_dir = make_qwen35_moe(tmp_path / "m")
+    cfg = ModelConfig.from_dir(model_dir)
+    experts_per_layer = [cfg.num_experts for moe in cfg.moe_layers if moe]
+    for world in (2, 3):
+        rank0 = [s.local_experts for s in plan_shards(experts_per_layer, 0, world)]  # (rank 0 gets the remainder)
+        model = ModelRunner.create(cfg, model_dir, torch.bfloat16, "cpu", 4, 16, 2, local_experts=rank0).model
+        assert model_footprint(cfg, torch.bfloat16, world).weight_bytes == _bytes(
+            list(model.parameters()) + list(model.buffers())) < model_footprint(cfg, torch.bfloat16).weight_bytes

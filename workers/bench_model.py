@@ -89,13 +89,14 @@ def build_bench_model(num_layers: int = 40, routing: str = "zipf", dtype: torch.
 
 @torch.no_grad()
 def fill_bench_weights_(model: HybridModel, routing: str = "zipf", seed: int = 0,
-                        decisive: bool = False) -> HybridModel:
+                        decisive: bool = False, local_experts=None) -> HybridModel:
     """Fills an existing HybridModel in place with the bench model's weights (what build_bench_model makes for
     the same config and seed): init_random_, then the Zipf router bias per MoE layer, then (`decisive`)
-    make_logits_decisive_. Used by workers/weights.py for random-weights model directories."""
+    make_logits_decisive_. Used by workers/weights.py for random-weights model directories (`local_experts`:
+    init_random_'s, an expert-parallel rank's share of the experts)."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    init_random_(model, seed)
+    init_random_(model, seed, local_experts=local_experts)
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, SparseMoe) and routing == "zipf":
             layer.mlp.router_bias = zipf_router_bias(model.config.num_experts, seed + i, model.device).to(torch.float32)

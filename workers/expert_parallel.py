@@ -26,8 +26,9 @@ requests runs `idle_forward` (only the per-layer exchanges, with zero rows). Dra
 are replicated and local: they never call these collectives.
 
 `ExpertParallelActor` is the per-rank worker of engine/ep_executor.py (a plain class the engine wraps with
-ray.remote, as workers/ray_actor.py); it joins the group, builds the runner, keeps only its experts' weights and
-makes the latency model observe the slowest rank's forward time (all-reduce max once per step).
+ray.remote, as workers/ray_actor.py); it joins the group, builds the runner with only its experts' weights (the
+others never reach its device: a model larger than one GPU fits when its experts are spread) and makes the latency
+model observe the slowest rank's forward time (all-reduce max once per step).
 """
 
 from __future__ import annotations
@@ -315,37 +316,53 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
 
 
-@torch.no_grad()
-def shard_model_(model: nn.Module, group: Any = None,
-                 placement: Sequence[int] | Sequence[Sequence[int]] | None = None) -> list[ExpertShard]:
-    """Keeps only this rank's experts in every MoE layer of `model` (in place; the full tensors are freed) and
-    hooks the exchange in (`SparseMoe.ep`). placement: None (even contiguous split), one owner list for every
-    layer, or one per MoE layer (e.g. from `popularity_placement`)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layers = moe_layers(model)
+def plan_shards(experts_per_layer: Sequence[int], rank: int, world_size: int,
+                placement: Sequence[int] | Sequence[Sequence[int]] | None = None) -> list[ExpertShard]:
+    """Each MoE layer's ExpertShard for this rank. placement: None (even contiguous split), one owner list for
+    every layer, or one per MoE layer (e.g. from `popularity_placement`)."""
     shards = []
-    for j, mlp in enumerate(layers):
-        num_experts = mlp.gate.weight.shape[0]
+    for j, num_experts in enumerate(experts_per_layer):
         if placement is None:
-            shard = ExpertShard.even(num_experts, world, rank)
-        else:
-            owner = placement[j] if placement and isinstance(placement[0], (list, tuple)) else placement
-            if len(owner) != num_experts:
-                raise ValueError(f"expert placement for MoE layer {j} has {len(owner)} entries, expected {num_experts}")
-            shard = ExpertShard(list(owner), rank, world)
-        shard_moe_(mlp, shard, group, first=j == 0)
-        shards.append(shard)
+            shards.append(ExpertShard.even(num_experts, world_size, rank))
+            continue
+        owner = placement[j] if placement and isinstance(placement[0], (list, tuple)) else placement
+        if len(owner) != num_experts:
+            raise ValueError(f"expert placement for MoE layer {j} has {len(owner)} entries, expected {num_experts}")
+        shards.append(ExpertShard(list(owner), rank, world_size))
     return shards
 
 
 @torch.no_grad()
+def shard_model_(model: nn.Module, group: Any = None,
+                 placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 shards: Sequence[ExpertShard] | None = None) -> list[ExpertShard]:
+    """Keeps only this rank's experts in every MoE layer of `model` (in place; the full tensors are freed; a model
+    loaded with only them, ModelRunner.create's `local_experts`, keeps what it has) and hooks the exchange in
+    (`SparseMoe.ep`). placement: as plan_shards'; or `shards`, planned already."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layers = moe_layers(model)
+    if shards is None:
+        shards = plan_shards([mlp.gate.weight.shape[0] for mlp in layers], rank, world, placement)
+    for j, (mlp, shard) in enumerate(zip(layers, shards, strict=True)):
+        shard_moe_(mlp, shard, group, first=j == 0)
+    return list(shards)
+
+
+@torch.no_grad()
 def shard_moe_(mlp: nn.Module, shard: ExpertShard, group: Any = None, first: bool = False) -> None:
-    """One SparseMoe: keep `shard.local_experts` (local order), free the rest, hook the exchange in."""
-    keep = torch.tensor(shard.local_experts, dtype=torch.long, device=mlp.experts.gate_up_proj.device)
-    for name in ("gate_up_proj", "down_proj"):
-        full = getattr(mlp.experts, name)
-        setattr(mlp.experts, name, nn.Parameter(full.data.index_select(0, keep).contiguous(), requires_grad=False))
-        del full
+    """One SparseMoe: keep `shard.local_experts` (local order), free the rest, hook the exchange in. Expert
+    tensors that hold `shard.local_experts` rows already (loaded so) are kept as they are."""
+    rows = mlp.experts.gate_up_proj.shape[0]
+    if rows != shard.num_experts:
+        if rows != len(shard.local_experts) or mlp.experts.down_proj.shape[0] != rows:
+            raise ValueError(f"a MoE layer's experts have {rows} rows: neither all {shard.num_experts} nor this "
+                             f"rank's {len(shard.local_experts)}")
+    else:
+        keep = torch.tensor(shard.local_experts, dtype=torch.long, device=mlp.experts.gate_up_proj.device)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(mlp.experts, name)
+            setattr(mlp.experts, name, nn.Parameter(full.data.index_select(0, keep).contiguous(), requires_grad=False))
+            del full
     mlp.ep = ExpertParallelMoE(shard, group, first=first)
 
 
@@ -468,16 +485,23 @@ class ExpertParallelActor:
     engine calls `execute` on every rank (an empty list included: that rank then only takes part in the
     exchanges)."""
 
-    def __init__(self, factory: Callable[[], Any], rank: int, world_size: int, init_method: str, device: str,
+    def __init__(self, factory: Callable[..., Any], rank: int, world_size: int, init_method: str, device: str,
                  placement: Sequence[int] | Sequence[Sequence[int]] | None = None, timeout_s: float = 120.0,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, experts_per_layer: Sequence[int] | None = None):
+        """`experts_per_layer` (routed experts of each MoE layer): the rank loads only its share of them
+        (`factory(local_experts=...)`: a model larger than one device fits when its experts are spread); None:
+        `factory()` loads every expert and the rank then drops the others (its peak holds them all)."""
         if num_threads is not None and not device.startswith("cuda"):
             torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.backend = init_group(rank, world_size, init_method, device, timeout_s)
-        self.runner = factory()
+        if experts_per_layer is not None:
+            shards = plan_shards(experts_per_layer, rank, world_size, placement)
+            self.runner = factory(local_experts=[s.local_experts for s in shards])
+        else:
+            shards, self.runner = None, factory()
         self.runner.graph_config = None  # no CUDA graphs (yet): the exchange's buffers follow the step's capacities
-        self.shards = shard_model_(self.runner.model, placement=placement)
+        self.shards = shard_model_(self.runner.model, placement=placement, shards=shards)
         self.incarnation = uuid.uuid4().hex
 
     def ready(self) -> tuple[str, int]:

@@ -3,8 +3,8 @@ state, for the target and for a drafter with a model of its own. The engine size
 pool is allocated before any weights are read, so free memory alone does not say what is left for KV).
 
 Weights are counted on the meta device (the same modules the worker builds, no storage). An expert-parallel rank
-counts them all: it loads every weight and allocates its cache before it keeps its share of the experts
-(workers/expert_parallel.py shard_model_), so its peak holds them all beside the pools.
+holds every non-expert weight and its share of each MoE layer's routed experts (at most ceil(E / N) of E: it loads
+only those, ModelRunner.create's `local_experts`).
 """
 
 from __future__ import annotations
@@ -41,16 +41,23 @@ def _state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     return kv, state
 
 
-def _weight_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+def _weight_bytes(module: torch.nn.Module, expert_parallel: int = 1) -> int:
+    total = 0
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        n = t.numel() * t.element_size()
+        if expert_parallel > 1 and ".mlp.experts." in name:
+            n = -(-t.shape[0] // expert_parallel) * (n // t.shape[0])  # the largest rank's rows
+        total += n
+    return total
 
 
-def model_footprint(cfg: ModelConfig, dtype: torch.dtype) -> Footprint:
-    """The target (or a draft model): HybridModel's weights and its cache's per-token / per-slot bytes."""
+def model_footprint(cfg: ModelConfig, dtype: torch.dtype, expert_parallel: int = 1) -> Footprint:
+    """The target (or a draft model): HybridModel's weights (on one of `expert_parallel` ranks) and its cache's
+    per-token / per-slot bytes (every rank allocates the whole pools: engine/ep_executor.py)."""
     from workers.model import HybridModel
 
     kv, state = _state_bytes(cfg, dtype)
-    return Footprint(_weight_bytes(HybridModel(cfg, dtype, "meta")), kv, state)
+    return Footprint(_weight_bytes(HybridModel(cfg, dtype, "meta"), expert_parallel), kv, state)
 
 
 def mtp_footprint(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype) -> Footprint:

@@ -130,6 +130,25 @@ def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def local_expert_rows(model: nn.Module, local_experts) -> dict[str, list[int]]:
+    """{"model.layers.i.mlp.experts": the global expert ids this rank keeps} from `local_experts`, one id list per
+    MoE layer of the decoder in layer order (expert parallelism: ExpertShard.local_experts)."""
+    prefixes = [f"model.layers.{i}.mlp.experts" for i, layer in enumerate(model.model.layers)
+                if isinstance(layer.mlp, SparseMoe)]
+    if len(local_experts) != len(prefixes):
+        raise ValueError(f"local_experts has {len(local_experts)} lists, the model {len(prefixes)} MoE layers")
+    return {p: [int(e) for e in keep] for p, keep in zip(prefixes, local_experts)}
+
+
+def put_experts_(model: nn.Module, name: str, rows: Tensor) -> None:
+    """Replaces the expert tensor `name` ("...mlp.experts.gate_up_proj") with `rows` ([E_local, ...], moved to
+    the model's device and dtype): an expert-parallel rank's share, the full tensor never allocated on the
+    device."""
+    module, attr = name.rsplit(".", 1)
+    setattr(model.get_submodule(module), attr,
+            nn.Parameter(rows.to(device=model.device, dtype=model.dtype).contiguous(), requires_grad=False))
+
+
 class Linear(nn.Module):
     def __init__(self, d_in: int, d_out: int, dtype, device, bias: bool = False):
         super().__init__()
@@ -342,15 +361,16 @@ class SparseMoe(nn.Module):
     # HYBRIDSPEC_MOE_REDUCE_NORM=0 (read at import) keeps the reduce and the residual + norm apart, for A/B runs
     REDUCE_NORM = os.environ.get("HYBRIDSPEC_MOE_REDUCE_NORM", "1") != "0"
 
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, experts_device=None):
         super().__init__()
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Module()
         self.gate.weight = _param(e, h, dtype=dtype, device=device)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
-        self.experts.down_proj = _param(e, h, i, dtype=dtype, device=device)
+        # experts_device "meta": no storage until the loader puts this rank's experts there (expert parallelism)
+        self.experts.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=experts_device or device)
+        self.experts.down_proj = _param(e, h, i, dtype=dtype, device=experts_device or device)
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype, device)
         self.shared_expert_gate = Linear(h, 1, dtype, device)
         self.shared_in = FusedLinears.of([self.shared_expert.gate_proj, self.shared_expert.up_proj,
@@ -480,7 +500,7 @@ class SparseMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, rope: RotaryEmbedding, dtype, device):
+    def __init__(self, cfg: ModelConfig, index: int, rope: RotaryEmbedding, dtype, device, experts_device=None):
         super().__init__()
         self.kind = cfg.layer_types[index]
         if self.kind == FULL_ATTENTION:
@@ -488,7 +508,7 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype, device)
         if cfg.moe_layers[index]:
-            self.mlp: nn.Module = SparseMoe(cfg, dtype, device)
+            self.mlp: nn.Module = SparseMoe(cfg, dtype, device, experts_device)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -520,7 +540,10 @@ class HybridModel(nn.Module):
 
     LM_HEAD_FP32_OUT = os.environ.get("HYBRIDSPEC_LM_HEAD_FP32_OUT", "1") != "0"  # `logits`: fp32 from the GEMM
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 experts_device: torch.device | str | None = None):
+        """`experts_device` "meta": the routed experts get no storage (load_weights / init_random_ with
+        `local_experts` then place only this rank's); None: on `device` with the rest."""
         super().__init__()
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.model = nn.Module()
@@ -528,7 +551,7 @@ class HybridModel(nn.Module):
         self.model.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
         self.model.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, self.rope, dtype, device) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, i, self.rope, dtype, device, experts_device) for i in range(cfg.num_hidden_layers)]
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if not cfg.tie_word_embeddings:

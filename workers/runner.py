@@ -287,11 +287,13 @@ class ModelRunner:
 
     @classmethod
     def create(cls, model_config: ModelConfig, model_dir, dtype: torch.dtype, device: str, num_pages: int,
-               page_size: int, num_slots: int) -> "ModelRunner":
+               page_size: int, num_slots: int, local_experts=None) -> "ModelRunner":
+        """`local_experts` (an expert-parallel rank): one id list per MoE layer; only those experts are loaded
+        onto the device (workers/expert_parallel.py shard_model_ then hooks the exchange in)."""
         from workers.weights import load_weights
 
-        model = HybridModel(model_config, dtype, device)
-        load_weights(model, model_dir)
+        model = HybridModel(model_config, dtype, device, experts_device="meta" if local_experts is not None else None)
+        load_weights(model, model_dir, local_experts=local_experts)
         # one spare page and slot past the allocator's range: padding rows of captured graphs write there
         return cls(model, ModelCache(model_config, num_pages + 1, page_size, num_slots + 1, dtype, device))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from workers.config import ModelConfig, lfs_pointer_hint
-from workers.model import HybridModel
+from workers.model import HybridModel, local_expert_rows, put_experts_
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -161,33 +161,41 @@ def _plan(model, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[in
                 for e in range(n_exp):
                     expected[f"{prefix}.{e}.gate_proj.weight"] = [inner, hidden]
                     expected[f"{prefix}.{e}.up_proj.weight"] = [inner, hidden]
-                sources[name] = lambda ck, p=prefix, n=n_exp: torch.stack([
+                sources[name] = lambda ck, keep=None, p=prefix, n=n_exp: torch.stack([
                     torch.cat([ck.get(f"{p}.{e}.gate_proj.weight"), ck.get(f"{p}.{e}.up_proj.weight")])
-                    for e in range(n)])
+                    for e in (range(n) if keep is None else keep)])
             else:
                 for e in range(n_exp):
                     expected[f"{prefix}.{e}.down_proj.weight"] = [hidden, inner]
-                sources[name] = lambda ck, p=prefix, n=n_exp: torch.stack(
-                    [ck.get(f"{p}.{e}.down_proj.weight") for e in range(n)])
+                sources[name] = lambda ck, keep=None, p=prefix, n=n_exp: torch.stack(
+                    [ck.get(f"{p}.{e}.down_proj.weight") for e in (range(n) if keep is None else keep)])
+        elif experts:  # fused in the checkpoint: [E, ...] read whole, this rank's rows kept
+            expected[name] = shape
+            sources[name] = lambda ck, keep=None, n=name: (
+                ck.get(n) if keep is None else ck.get(n).index_select(0, torch.tensor(keep, dtype=torch.long)))
         else:
             expected[name] = shape
             sources[name] = lambda ck, n=name: ck.get(n)
     return sources, expected
 
 
-def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder") -> None:
+def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder",
+                 local_experts: Sequence[Sequence[int]] | None = None) -> None:
     """Fills every parameter of `model` from the checkpoint in `model_dir` (converting dtype and layout).
 
     scope "decoder": the model's own tensors (mtp.* skipped); "mtp": only the multi-token-prediction head's.
-    A directory with `random_weights.json` (and no safetensors) is a random-weights model: the model is filled
-    with the bench model's weights that file names (load_random_weights)."""
+    `local_experts` (expert parallelism; one id list per MoE layer, the model built with experts_device "meta"):
+    each MoE layer's routed experts become only those rows, read from the checkpoint (the full tensors never
+    reach the device). A directory with `random_weights.json` (and no safetensors) is a random-weights model:
+    the model is filled with the bench model's weights that file names (load_random_weights)."""
     if (Path(model_dir) / RANDOM_WEIGHTS_FILE).is_file():
         stored = [n for n in ("model.safetensors", "model.safetensors.index.json") if (Path(model_dir) / n).is_file()]
         if stored:  # which weights the user meant is not for the loader to guess
             raise WeightsError(f"model directory {model_dir} holds both {RANDOM_WEIGHTS_FILE} (random bench weights) "
                                f"and {stored[0]}: remove {RANDOM_WEIGHTS_FILE} to serve the stored weights")
-        load_random_weights(model, model_dir, scope)
+        load_random_weights(model, model_dir, scope, local_experts)
         return
+    keep = local_expert_rows(model, local_experts) if local_experts is not None else {}
     ck = Checkpoint(model_dir)
     sources, expected = _plan(model, ck)
     present = ck.names()
@@ -213,7 +221,11 @@ def load_weights(model: HybridModel, model_dir: str | Path, scope: str = "decode
     params = model.state_dict()
     with torch.no_grad():
         for name, read in sources.items():
-            params[name].copy_(read(ck).to(params[name].dtype))
+            rows = keep.get(name.rsplit(".", 1)[0])
+            if rows is not None:
+                put_experts_(model, name, read(ck, rows))
+            else:
+                params[name].copy_(read(ck).to(params[name].dtype))
 
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
@@ -237,7 +249,8 @@ def read_random_weights_spec(model_dir: str | Path) -> dict:
             "decisive": bool(spec.get("decisive", False))}
 
 
-def load_random_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder") -> None:
+def load_random_weights(model: HybridModel, model_dir: str | Path, scope: str = "decoder",
+                        local_experts: Sequence[Sequence[int]] | None = None) -> None:
     """Fills `model` in place with the bench model's random weights (workers/bench_model.fill_bench_weights_),
     made on the model's device: a 40-layer Qwen3.6-35B-A3B-shaped model is ~70 GB, never written to disk."""
     if scope == "mtp":
@@ -249,7 +262,8 @@ def load_random_weights(model: HybridModel, model_dir: str | Path, scope: str = 
     if spec["routing"] not in ROUTINGS:
         raise WeightsError(f"{Path(model_dir) / RANDOM_WEIGHTS_FILE}: \"routing\" must be one of {ROUTINGS}, "
                            f"got {spec['routing']!r}")
-    fill_bench_weights_(model, routing=spec["routing"], seed=spec["seed"], decisive=spec["decisive"])
+    fill_bench_weights_(model, routing=spec["routing"], seed=spec["seed"], decisive=spec["decisive"],
+                        local_experts=local_experts)
 
 
 def save_weights(model: HybridModel, model_dir: str | Path) -> None:
