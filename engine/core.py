@@ -123,20 +123,29 @@ def plan_kv_pages(free: int, total: int, wanted: int, page_size: int, max_runnin
     per page, and a reserve (max(4 GiB, 10% of the card)) for activations, logits, CUDA graphs and the allocator's
     slack. Raises ValueError when that leaves less than one request of max_model_len tokens."""
     reserve = max(4 * GIB, total // 10)
-    fixed = target.weight_bytes + (max_running + 1) * target.state_bytes_per_slot
+    weights = target.weight_bytes + (drafter.weight_bytes if drafter is not None else 0)
+    state = (max_running + 1) * target.state_bytes_per_slot
     page_bytes = target.kv_bytes_per_token * page_size
     if drafter is not None:
-        fixed += drafter.weight_bytes + drafter_slots * drafter.state_bytes_per_slot
+        state += drafter_slots * drafter.state_bytes_per_slot
         page_bytes += drafter.kv_bytes_per_token * page_size
     page_bytes = max(page_bytes, 1)
-    room = free - fixed - reserve
+    if weights + reserve > free:
+        parts = f"{_size(target.weight_bytes)}" + (f" + {_size(drafter.weight_bytes)} for the drafter"
+                                                    if drafter is not None else "")
+        raise ValueError(
+            f"{device} has {_size(free)} free: the weights need {parts} and activations / CUDA graphs "
+            f"{_size(reserve)}: spread the experts over more GPUs (expert_parallel with executor 'ray')"
+            f"{', run without the drafter (spec off)' if drafter is not None else ''} or use a card with more memory")
+    room = free - weights - state - reserve
     one_request = -(-max_model_len // page_size)
     if room < one_request * page_bytes:
         raise ValueError(
-            f"{device} has {_size(free)} free: the weights and the GDN state of max_running {max_running} requests "
-            f"need {_size(fixed)} and activations / CUDA graphs {_size(reserve)}, which leaves {_size(max(room, 0))} "
-            f"of KV, less than one request of max_model_len {max_model_len} tokens needs "
-            f"({_size(one_request * page_bytes)}): lower max_model_len or max_running, or use a card with more memory")
+            f"{device} has {_size(free)} free: the weights need {_size(weights)}, the GDN state of max_running "
+            f"{max_running} requests {_size(state)} and activations / CUDA graphs {_size(reserve)}, which leaves "
+            f"{_size(max(room, 0))} of KV, less than one request of max_model_len {max_model_len} tokens needs "
+            f"({_size(one_request * page_bytes)}): lower max_model_len or max_running, or spread the experts over "
+            f"more GPUs (expert_parallel)")
     return max(1, min(wanted, room // page_bytes))
 
 

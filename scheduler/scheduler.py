@@ -150,7 +150,7 @@ class Scheduler:
             if self.running:
                 if owed is None:
                     owed = sum(self._pages_owed(r) for r in self.running)
-                whole = self.memory.pages.pages_for(request.num_tokens + 1)
+                whole = self._pages_whole(request)
                 if whole + owed > self.memory.pages.num_free():
                     break
                 owed += whole - self.memory.pages.pages_for(n)
@@ -182,11 +182,16 @@ class Scheduler:
         most = self.max_draft if self.draft_hint is None else min(self.max_draft, self.draft_hint)
         return max(0, min(most, remaining - 1, room - 1, budget))
 
+    def _pages_whole(self, request: Request) -> int:
+        """Pages for a request's whole length + 1 (the rest of its prompt or its next token; not past its last)."""
+        final = len(request.prompt_ids) + request.params.max_new_tokens
+        return self.memory.pages.pages_for(min(request.num_tokens + 1, final))
+
     def _pages_owed(self, request: Request) -> int:
-        """Pages a running request does not hold yet for its whole length + 1 (the rest of its prompt or its
-        next token)."""
-        held = len(self.memory.table(request.request_id).pages)
-        return max(0, self.memory.pages.pages_for(request.num_tokens + 1) - held)
+        """Pages a running request does not hold yet for its whole length + 1; negative where it holds more: the
+        pages reserved for its drafts this step, back at the commit (a credit, or drafts would hold admission
+        off until a running request finished)."""
+        return self._pages_whole(request) - len(self.memory.table(request.request_id).pages)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.memory.release(request.request_id)

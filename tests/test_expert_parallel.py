@@ -503,8 +503,10 @@ def test_a_rank_loads_only_its_experts_with_the_whole_models_values(tmp_path, la
     whole = ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2).model
     experts_per_layer = [cfg.num_experts for moe in cfg.moe_layers if moe]
     placement = [[(e * 7 + j) % 3 for e in range(n)] for j, n in enumerate(experts_per_layer)]  # uneven, per layer
-    for rank in range(3):
-        shards = plan_shards(experts_per_layer, rank, 3, placement)
+    placement_none = [[0] * n if j == 0 else list(p) for j, (n, p) in enumerate(zip(experts_per_layer, placement))]
+    for rank, owners in [(0, placement), (1, placement), (2, placement), (1, placement_none)]:
+        # (placement_none: rank 1 keeps no expert of the first MoE layer)
+        shards = plan_shards(experts_per_layer, rank, 3, owners)
         local = [s.local_experts for s in shards]
         part = ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2, local_experts=local).model
         assert not any(t.is_meta for t in part.state_dict().values())

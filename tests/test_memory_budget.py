@@ -88,6 +88,13 @@ def test_a_model_that_leaves_no_room_for_one_request_is_refused_naming_the_optio
     target = Footprint(weight_bytes=70 * GIB, kv_bytes_per_token=20 * 1024, state_bytes_per_slot=64 << 20)
     with pytest.raises(ValueError, match=r"cuda:0 has 79\.0 GiB free: .* lower max_model_len or max_running"):
         plan_kv_pages(79 * GIB, 80 * GIB, 64 * 2048, 16, 64, 32768, target, device="cuda:0")
+    # weights that do not fit whatever the lengths: the advice is more GPUs (and no drafter), not shorter requests
+    big = Footprint(weight_bytes=75 * GIB, kv_bytes_per_token=20 * 1024, state_bytes_per_slot=64 << 20)
+    with pytest.raises(ValueError, match=r"the weights need 75\.0 GiB and .*expert_parallel") as e:
+        plan_kv_pages(79 * GIB, 80 * GIB, 2048, 16, 1, 32768, big, device="cuda:0")
+    assert "max_model_len" not in str(e.value) and "spec off" not in str(e.value)
+    with pytest.raises(ValueError, match=r"75\.0 GiB \+ 2\.0 GiB for the drafter .*spec off"):
+        plan_kv_pages(79 * GIB, 80 * GIB, 2048, 16, 1, 32768, big, Footprint(2 * GIB, 0, 0), 3, device="cuda:0")
 
 
 def _engine_on_a_fake_gpu(monkeypatch, free: int, total: int, **options) -> EngineCore:
@@ -120,7 +127,8 @@ def test_engine_sizes_the_pool_from_the_footprint_on_a_gpu(monkeypatch, tmp_path
     assert 256 <= core._auto_num_pages(torch.bfloat16, torch.device("cuda")) == left // (
         page_bytes + mtp.kv_bytes_per_token * 16) < 3000
     # not even one request of max_model_len: refused at start, not an out-of-memory error in the worker
-    core = _engine_on_a_fake_gpu(monkeypatch, 4 * GIB, 16 * GIB, max_running=8)
+    free = target.weight_bytes + 9 * target.state_bytes_per_slot + 4 * GIB + 100 * page_bytes
+    core = _engine_on_a_fake_gpu(monkeypatch, free, 16 * GIB, max_running=8)
     with pytest.raises(ValueError, match=r"cuda has 4\.0 GiB free: .* MiB .* less than one request of max_model_len 4096"):
         core._auto_num_pages(torch.bfloat16, torch.device("cuda"))
 

@@ -139,6 +139,24 @@ def test_a_request_preempted_by_decode_growth_waits_until_its_whole_length_fits(
     assert old.stats.preemptions == 0 and young.stats.preemptions == 1
 
 
+def test_draft_page_reservations_do_not_hold_admission_off():
+    """Pages reserved for a decode's drafts come back at every commit: admission counts them as free-to-be (a
+    review found the whole-prompt rule waiting for the running request to finish when it drafted)."""
+    admitted_at = {}
+    for max_draft in (0, 8):
+        sched = Scheduler(MemoryManager(num_pages=7, page_size=4, num_slots=2), 2, max_step_tokens=64,
+                          max_model_len=64, max_draft=max_draft)
+        running, waiting = make("r", 4, max_new=20), make("w", 12, max_new=1)
+        sched.add(running)
+        run_step(sched)  # (every draft rejected: run_step commits no accepted tokens)
+        sched.add(waiting)
+        for step in range(1, 30):
+            if "w" in run_step(sched):
+                admitted_at[max_draft] = step
+                break
+    assert admitted_at == {0: 1, 8: 1}
+
+
 def test_abort_of_waiting_and_running_requests_frees_their_memory():
     memory = MemoryManager(16, 4, 1)
     sched = Scheduler(memory, 1, 64, 64)

@@ -1,10 +1,10 @@
 """What a worker will hold on its device, computed before it loads anything: weights, per-token KV, per-slot GDN
 state, for the target and for a drafter with a model of its own. The engine sizes the KV page pool from it (the
-pool is allocated before any weights are read, so free memory alone does not say what is left for KV).
+pool is sized before the worker starts: free memory alone does not say what its weights will leave for KV).
 
 Weights are counted on the meta device (the same modules the worker builds, no storage). An expert-parallel rank
-holds every non-expert weight and its share of each MoE layer's routed experts (at most ceil(E / N) of E: it loads
-only those, ModelRunner.create's `local_experts`).
+holds every non-expert weight and its share of each MoE layer's routed experts (it loads only those, ModelRunner.create's
+`local_experts`), counted as ceil(E / N) of E: what the even and the popularity placements give the largest rank.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def init_random_(model: HybridModel, seed: int, matrix_gain: float = 1.0,
         if rows is not None:
             full = torch.randn(p.shape, device=model.device, generator=gen, dtype=torch.float32)
             full.mul_(matrix_gain / math.sqrt(p.shape[-1]))
-            put_experts_(model, name, full.index_select(0, torch.tensor(rows, device=model.device)))
+            put_experts_(model, name, full.index_select(0, torch.tensor(rows, dtype=torch.long, device=model.device)))
             del full
             continue
         if name.endswith("A_log"):

@@ -133,6 +133,11 @@ def _has_fused_experts(prefix: str, names: set[str]) -> bool:
     return f"{prefix}.gate_up_proj" in names or f"{prefix}.down_proj" in names
 
 
+def _stack(experts: list[Tensor], shape: list[int]) -> Tensor:
+    """Per-expert tensors stacked [E_kept, ...]; a rank that keeps none of a layer's experts gets [0, ...]."""
+    return torch.stack(experts) if experts else torch.empty(0, *shape[1:])
+
+
 def _plan(model, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[int]]]:
     """For every model parameter, how to read it; and every checkpoint tensor this reads, with its shape."""
     cfg = model.config
@@ -161,14 +166,14 @@ def _plan(model, ck: Checkpoint) -> tuple[dict[str, Callable], dict[str, list[in
                 for e in range(n_exp):
                     expected[f"{prefix}.{e}.gate_proj.weight"] = [inner, hidden]
                     expected[f"{prefix}.{e}.up_proj.weight"] = [inner, hidden]
-                sources[name] = lambda ck, keep=None, p=prefix, n=n_exp: torch.stack([
+                sources[name] = lambda ck, keep=None, p=prefix, n=n_exp, s=shape: _stack([
                     torch.cat([ck.get(f"{p}.{e}.gate_proj.weight"), ck.get(f"{p}.{e}.up_proj.weight")])
-                    for e in (range(n) if keep is None else keep)])
+                    for e in (range(n) if keep is None else keep)], s)
             else:
                 for e in range(n_exp):
                     expected[f"{prefix}.{e}.down_proj.weight"] = [hidden, inner]
-                sources[name] = lambda ck, keep=None, p=prefix, n=n_exp: torch.stack(
-                    [ck.get(f"{p}.{e}.down_proj.weight") for e in (range(n) if keep is None else keep)])
+                sources[name] = lambda ck, keep=None, p=prefix, n=n_exp, s=shape: _stack(
+                    [ck.get(f"{p}.{e}.down_proj.weight") for e in (range(n) if keep is None else keep)], s)
         elif experts:  # fused in the checkpoint: [E, ...] read whole, this rank's rows kept
             expected[name] = shape
             sources[name] = lambda ck, keep=None, n=name: (
