@@ -136,9 +136,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
         except EngineFailed as e:
             code, message = grpc.StatusCode.INTERNAL, str(e)
-        except asyncio.CancelledError:  # the client cancelled, or its deadline passed (grpc cancels the handler)
-            # the server's deadline runs from the request's arrival, so it ends after the client's: a cancel that
-            # comes within DEADLINE_SLACK_S of it is the client's deadline (on 2 busy cores, one counted CANCELLED)
+        except (asyncio.CancelledError, GeneratorExit):
+            # the client cancelled, or its deadline passed: grpc cancels the handler while it waits for the engine
+            # (CancelledError), or closes this generator while it is suspended at a yield (GeneratorExit: it was
+            # counted OK). The server's deadline runs from the request's arrival, so it ends after the client's:
+            # a cancel that comes within DEADLINE_SLACK_S of it is the client's deadline (on 2 busy cores, one
+            # counted CANCELLED)
             remaining = context.time_remaining()
             code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= DEADLINE_SLACK_S else \
                 grpc.StatusCode.CANCELLED

@@ -161,6 +161,42 @@ async def _true(value: bool) -> bool:
     return value
 
 
+class _Context:
+    """The part of grpc's ServicerContext that Generate reads before its stream is closed."""
+
+    def __init__(self, remaining: float | None):
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+@pytest.mark.parametrize("remaining, code", [(None, "CANCELLED"), (5.0, "CANCELLED"), (0.0, "DEADLINE_EXCEEDED")])
+def test_a_stream_closed_at_a_yield_is_counted_as_cancelled_or_deadline_not_ok(llm, remaining, code):
+    """grpc ends a handler whose client went away either by cancelling its task while it waits for the engine or,
+    when it is suspended at a yield, by closing the generator (GeneratorExit): that one was counted OK (a CI run on
+    2 busy cores: the deadline test saw {'OK': 1})."""
+    from engine.server import GenerationService
+
+    async def main() -> None:
+        server = Server(llm.engine, ServeOptions(port=0))
+        service = GenerationService(server.engine)
+        server.engine.start()
+        try:
+            request = build_request("slow " * 4, max_new_tokens=500, ignore_eos=True)
+            context = _Context(60.0)
+            stream = service.Generate(request, context)
+            first = await stream.__anext__()
+            assert first.token_ids and not first.finished
+            context.remaining = remaining  # (None: no deadline; 0.0: it has passed)
+            await stream.aclose()  # what grpc does to a generator handler whose RPC ended while it yielded
+            assert dict(server.metrics.rpcs) == {code: 1}
+        finally:
+            await server.engine.shutdown(shutdown_core=False)
+
+    run(main())
+
+
 def test_occupancy_gauges_read_the_pools_before_the_first_step(llm):
     """Before: an idle server's /metrics said 0 pages and slots (free and total) until its first step."""
     server = Server(llm.engine, ServeOptions(port=0))
