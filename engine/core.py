@@ -119,9 +119,10 @@ def plan_kv_pages(free: int, total: int, wanted: int, page_size: int, max_runnin
                   target: Footprint, drafter: Footprint | None = None, drafter_slots: int = 0,
                   device: str = "cuda") -> int:
     """KV pages for a GPU with `free` of `total` bytes free before the worker starts: at most `wanted`, within what
-    is left after the target's weights (one expert-parallel rank's) and its max_running + 1 GDN slots, a drafter's weights, slots and its own KV
-    per page, and a reserve (max(4 GiB, 10% of the card)) for activations, logits, CUDA graphs and the allocator's
-    slack. Raises ValueError when that leaves less than one request of max_model_len tokens."""
+    is left after the target's weights (one expert-parallel rank's) and its max_running + 1 GDN slots, a drafter's
+    weights, slots and its own KV per page, and a reserve (max(4 GiB, 10% of the card)) for activations, logits,
+    CUDA graphs and the allocator's slack. Raises ValueError when the weights do not fit, or when what is left holds
+    less than one request of max_model_len tokens."""
     reserve = max(4 * GIB, total // 10)
     weights = target.weight_bytes + (drafter.weight_bytes if drafter is not None else 0)
     state = (max_running + 1) * target.state_bytes_per_slot

@@ -129,7 +129,8 @@ def test_engine_sizes_the_pool_from_the_footprint_on_a_gpu(monkeypatch, tmp_path
     # not even one request of max_model_len: refused at start, not an out-of-memory error in the worker
     free = target.weight_bytes + 9 * target.state_bytes_per_slot + 4 * GIB + 100 * page_bytes
     core = _engine_on_a_fake_gpu(monkeypatch, free, 16 * GIB, max_running=8)
-    with pytest.raises(ValueError, match=r"cuda has 4\.0 GiB free: .* MiB .* less than one request of max_model_len 4096"):
+    with pytest.raises(ValueError,
+                       match=r"cuda has 4\.0 GiB free: .* MiB .* less than one request of max_model_len 4096"):
         core._auto_num_pages(torch.bfloat16, torch.device("cuda"))
 
 

@@ -3,8 +3,9 @@ state, for the target and for a drafter with a model of its own. The engine size
 pool is sized before the worker starts: free memory alone does not say what its weights will leave for KV).
 
 Weights are counted on the meta device (the same modules the worker builds, no storage). An expert-parallel rank
-holds every non-expert weight and its share of each MoE layer's routed experts (it loads only those, ModelRunner.create's
-`local_experts`), counted as ceil(E / N) of E: what the even and the popularity placements give the largest rank.
+holds every non-expert weight and its share of each MoE layer's routed experts (it loads only those,
+ModelRunner.create's `local_experts`), counted as ceil(E / N) of E: what the even and the popularity placements
+give the largest rank.
 """
 
 from __future__ import annotations
