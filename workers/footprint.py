@@ -24,10 +24,6 @@ class Footprint:
     kv_bytes_per_token: int  # attention KV, all layers
     state_bytes_per_slot: int  # GDN recurrent state + conv window, all layers
 
-    def __add__(self, other: "Footprint") -> "Footprint":
-        return Footprint(self.weight_bytes + other.weight_bytes, self.kv_bytes_per_token + other.kv_bytes_per_token,
-                         self.state_bytes_per_slot + other.state_bytes_per_slot)
-
 
 def _state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(KV bytes per token, GDN bytes per slot), as workers/cache.py's ModelCache allocates them."""
