@@ -681,6 +681,20 @@ def _check_padding_requests(tokens):
             assert max(pad(0, p, largest, max_block, 1), default=0) <= min(max_block, PAD_BLOCK)
 
 
+def record_eager_steps(runner) -> list[bool]:
+    """Wraps runner.execute: the returned list gets each step's last_step_eager."""
+    flags: list[bool] = []
+    execute = runner.execute
+
+    def recording(*args, **kwargs):
+        result = execute(*args, **kwargs)
+        flags.append(runner.last_step_eager)
+        return result
+
+    runner.execute = recording
+    return flags
+
+
 def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference, monkeypatch):
     """A graph set meets more buckets than it keeps in a long run (batch x tokens x block x page width): past
     max_graphs the least recently used graph is dropped and the new bucket captured, so no step falls back to an
@@ -704,16 +718,7 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
         return out
 
     graphs.run = counting
-    runner = llm.engine.executor.runner
-    eager_flags = []
-    execute = runner.execute
-
-    def recording(*args, **kwargs):
-        result = execute(*args, **kwargs)
-        eager_flags.append(runner.last_step_eager)
-        return result
-
-    runner.execute = recording
+    eager_flags = record_eager_steps(llm.engine.executor.runner)
     tokens, stats = run(llm)
     assert eager_flags and not any(eager_flags)
     assert tokens == reference
@@ -742,6 +747,40 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
     with pytest.raises(ValueError, match="max_graphs must be >= 2"):
         type(graphs)(graphs.model, graphs.cache, max_block=2, spare_page=0, spare_slot=0, page_table_width=1,
                      max_tokens=4, max_graphs=1)
+
+
+def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running_eagerly(reference, monkeypatch):
+    """A capture that runs out of memory (bench/NOTES.md: c=16 at 40 layers on an H100, 8 buckets eager at ~10x a
+    graphed step for the rest of the run) now caps the set at the graphs it holds, drops the least recently used
+    one into the shared pool and captures again; only a set of fewer than 2 graphs gives the bucket up."""
+    llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.6))
+    for prompt, ref in list(zip(PROMPTS, reference))[::2]:
+        llm.set_replay_reference(prompt, ref)
+    import workers.graphs
+
+    monkeypatch.setattr(workers.graphs, "EVICT_EVERY", 0)
+    graphs = llm.engine.executor.runner.step_graphs()
+    new = graphs._new
+    calls = {"n": 0}
+
+    def short_of_memory(key):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the fourth capture here
+            calls["held"] = len(graphs.graphs)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
+        return new(key)
+
+    graphs._new = short_of_memory
+    eager_flags = record_eager_steps(llm.engine.executor.runner)
+    tokens, _ = run(llm)
+    assert tokens == reference
+    assert calls["n"] > 4 and not graphs.failed and eager_flags and not any(eager_flags)
+    assert calls["held"] >= 2 and graphs.max_graphs == calls["held"] and graphs.evictions > 0
+    assert len(graphs.graphs) <= calls["held"]
+    # with fewer than 2 graphs held there is nothing to give back: the bucket runs eagerly, as before
+    graphs.graphs.clear()
+    key = workers.graphs.BucketKey(1, 1, 1, 4)
+    assert graphs._capture_after_oom(key, torch.OutOfMemoryError("x")) is None and key in graphs.failed
 
 
 def test_graph_set_keeps_the_rate_limit_for_a_working_set_larger_than_the_set():

@@ -378,9 +378,12 @@ class StepGraphs:
                     self._evict()
             try:
                 g = self._new(key)
+            except torch.OutOfMemoryError as e:
+                g = self._capture_after_oom(key, e)
+                if g is None:
+                    return None
             except Exception as e:  # noqa: BLE001 - eager still works; remember why
-                self.failed[key] = f"{type(e).__name__}: {e}"
-                log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
+                self._failed(key, e)
                 return None
             self.graphs[key] = g
         lens, pad_lens = self._stage(g, key, blocks, context_lens, page_rows, slots, write, extra_rows)
@@ -513,6 +516,27 @@ class StepGraphs:
         """The buckets of the recent window fit in the set and its least recently used graph is none of them."""
         lru = next(iter(self.graphs))
         return lru not in self._recent_count and len(self._recent_count) <= self.max_graphs
+
+    def _failed(self, key: BucketKey, e: BaseException) -> None:
+        self.failed[key] = f"{type(e).__name__}: {e}"
+        log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
+
+    def _capture_after_oom(self, key: BucketKey, e: BaseException) -> _Graph | None:
+        """A capture ran out of memory: the set holds no more graphs than it has now (max_graphs drops to that,
+        at least 2), the least recently used one goes back to the shared pool and the capture is tried once more.
+        Before, the bucket stayed eager for good (~10x a graphed step: bench/NOTES.md, c=16 on an H100)."""
+        if len(self.graphs) < 2:
+            self._failed(key, e)
+            return None
+        self.max_graphs = max(2, len(self.graphs))
+        log.warning("CUDA graph capture of %s ran out of memory: this graph set keeps at most %d graphs from now "
+                    "on, its least recently used one makes room", key, self.max_graphs)
+        self._evict()
+        try:
+            return self._new(key)
+        except Exception as again:  # noqa: BLE001 - eager still works; remember why
+            self._failed(key, again)
+            return None
 
     def _evict(self) -> None:
         """Drops the least recently used graph (a long-running server meets more buckets than it keeps: batch x
