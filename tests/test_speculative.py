@@ -751,8 +751,8 @@ def test_graph_buckets_past_max_graphs_replace_the_least_recently_used(reference
 
 def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running_eagerly(reference, monkeypatch):
     """A capture that runs out of memory (bench/NOTES.md: c=16 at 40 layers on an H100, 8 buckets eager at ~10x a
-    graphed step for the rest of the run) now caps the set at the graphs it holds, drops the least recently used
-    one into the shared pool and captures again; only a set of fewer than 2 graphs gives the bucket up."""
+    graphed step for the rest of the run) now gives the least recently used graphs back one at a time until it
+    fits, and the set keeps at most what memory held; only a set of fewer than 2 graphs gives the bucket up."""
     llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.6))
     for prompt, ref in list(zip(PROMPTS, reference))[::2]:
         llm.set_replay_reference(prompt, ref)
@@ -765,8 +765,8 @@ def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running
 
     def short_of_memory(key):
         calls["n"] += 1
-        if calls["n"] == 4:  # the fourth capture here
-            calls["held"] = len(graphs.graphs)
+        if calls["n"] in (4, 5):  # the fourth capture here, and its first retry after one graph went back
+            calls.setdefault("held", len(graphs.graphs))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
         return new(key)
 
@@ -774,9 +774,10 @@ def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running
     eager_flags = record_eager_steps(llm.engine.executor.runner)
     tokens, _ = run(llm)
     assert tokens == reference
-    assert calls["n"] > 4 and not graphs.failed and eager_flags and not any(eager_flags)
-    assert calls["held"] >= 2 and graphs.max_graphs == calls["held"] and graphs.evictions > 0
-    assert len(graphs.graphs) <= calls["held"]
+    assert calls["n"] > 5 and not graphs.failed and eager_flags and not any(eager_flags)
+    # two graphs went back before the capture fitted: the set keeps what memory held with it
+    assert calls["held"] >= 3 and graphs.max_graphs == calls["held"] - 1 and graphs.evictions >= 2
+    assert len(graphs.graphs) <= calls["held"] - 1
     # with fewer than 2 graphs held there is nothing to give back: the bucket runs eagerly, as before
     graphs.graphs.clear()
     key = workers.graphs.BucketKey(1, 1, 1, 4)

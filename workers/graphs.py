@@ -522,21 +522,34 @@ class StepGraphs:
         log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
 
     def _capture_after_oom(self, key: BucketKey, e: BaseException) -> _Graph | None:
-        """A capture ran out of memory: the set holds no more graphs than it has now (max_graphs drops to that,
-        at least 2), the least recently used one goes back to the shared pool and the capture is tried once more.
-        Before, the bucket stayed eager for good (~10x a graphed step: bench/NOTES.md, c=16 on an H100)."""
+        """A capture ran out of memory: the least recently used graphs go back (their pool's blocks, and on CUDA
+        the allocator's unused cache) one at a time, the capture tried again after each, until it fits or one graph
+        is left; the set then keeps at most the graphs memory held (max_graphs, at least 2). Before, the bucket ran
+        eagerly for good (~10x a graphed step: bench/NOTES.md, c=16 on an H100, where one eviction was not
+        enough)."""
         if len(self.graphs) < 2:
             self._failed(key, e)
             return None
-        self.max_graphs = max(2, len(self.graphs))
-        log.warning("CUDA graph capture of %s ran out of memory: this graph set keeps at most %d graphs from now "
-                    "on, its least recently used one makes room", key, self.max_graphs)
-        self._evict()
-        try:
-            return self._new(key)
-        except Exception as again:  # noqa: BLE001 - eager still works; remember why
-            self._failed(key, again)
-            return None
+        log.warning("CUDA graph capture of %s ran out of memory with %d graphs held: dropping the least recently used "
+                    "until it fits", key, len(self.graphs))
+        while len(self.graphs) > 1:
+            self._evict()
+            if self.capture:
+                torch.cuda.empty_cache()
+            try:
+                g = self._new(key)
+            except torch.OutOfMemoryError as again:
+                e = again
+                continue
+            except Exception as again:  # noqa: BLE001 - eager still works; remember why
+                self._failed(key, again)
+                return None
+            self.max_graphs = max(2, len(self.graphs) + 1)
+            log.warning("CUDA graph set keeps at most %d graphs from now on (memory)", self.max_graphs)
+            return g
+        self.max_graphs = 2
+        self._failed(key, e)
+        return None
 
     def _evict(self) -> None:
         """Drops the least recently used graph (a long-running server meets more buckets than it keeps: batch x
