@@ -265,3 +265,20 @@ def add_language_model_prefix(src: str | Path, dst: str | Path) -> Path:
     }
     (dst / "config.json").write_text(json.dumps(wrapped, indent=2))
     return dst
+
+
+def with_mtp_head(src: str | Path, out: str | Path, seed: int = 5) -> Path:
+    """`src` (a model directory with model.safetensors) plus a random one-layer MTP head (mtp.* tensors) in `out`."""
+    from workers.config import ModelConfig
+    from workers.mtp import MTPHead
+    from workers.random_init import init_random_
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(src / name, out / name)
+    head = init_random_(MTPHead(ModelConfig.from_dir(src), 1, torch.float32, "cpu"), seed=seed)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update({k: v.contiguous() for k, v in head.state_dict().items() if k.startswith("mtp.")})
+    save_file(tensors, str(out / "model.safetensors"))
+    return out

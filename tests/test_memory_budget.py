@@ -5,21 +5,18 @@ weights were loaded, whatever their size."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.core import GIB, EngineConfig, EngineCore, plan_kv_pages
 from engine.default_model import default_model_dir
-from checkpoints import make_qwen3_next, make_qwen35_moe
+from checkpoints import make_qwen3_next, make_qwen35_moe, with_mtp_head
 from workers.cache import AttentionKV, GDNState
 from workers.config import ModelConfig
 from workers.footprint import Footprint, model_footprint, mtp_footprint
-from workers.mtp import MTPDrafter, MTPHead
-from workers.random_init import init_random_
+from workers.mtp import MTPDrafter
 from workers.runner import ModelRunner
 
 
@@ -43,21 +40,8 @@ def test_footprint_is_what_the_loaded_runner_holds(tmp_path, make, dtype):
     assert _bytes(state) == fp.state_bytes_per_slot * (slots + 1) == runner.cache.gdn_bytes_per_request() * (slots + 1)
 
 
-def _with_mtp_head(out: Path) -> Path:
-    """The embedded default model plus a random one-layer MTP head (as tests/test_mtp.py builds it)."""
-    src = default_model_dir()
-    out.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        shutil.copy(src / name, out / name)
-    head = init_random_(MTPHead(ModelConfig.from_dir(src), 1, torch.float32, "cpu"), seed=5)  # type: ignore[arg-type]
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors.update({k: v.contiguous() for k, v in head.state_dict().items() if k.startswith("mtp.")})
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
-
-
 def test_mtp_footprint_is_what_the_mtp_drafter_holds(tmp_path):
-    model_dir = _with_mtp_head(tmp_path / "mtp")
+    model_dir = with_mtp_head(default_model_dir(), tmp_path / "mtp")
     cfg = ModelConfig.from_dir(model_dir)
     runner = ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2)
     drafter = MTPDrafter(runner.model, model_dir, 4, 16, 2)
@@ -121,7 +105,7 @@ def test_engine_sizes_the_pool_from_the_footprint_on_a_gpu(monkeypatch, tmp_path
     assert core._auto_num_pages(torch.bfloat16, torch.device("cuda")) == 3000
     # the MTP head's weights, slots and KV come off it as well
     core = _engine_on_a_fake_gpu(monkeypatch, free, 16 * GIB, max_running=16, spec="mtp",
-                                 model=str(_with_mtp_head(tmp_path / "mtp")))
+                                 model=str(with_mtp_head(default_model_dir(), tmp_path / "mtp")))
     mtp = mtp_footprint(core.model_config, core.model_dir, torch.bfloat16)
     left = 3000 * page_bytes - mtp.weight_bytes - 17 * mtp.state_bytes_per_slot
     assert 256 <= core._auto_num_pages(torch.bfloat16, torch.device("cuda")) == left // (

@@ -3,12 +3,11 @@ state, drafts from its own outputs, and stays lossless."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from checkpoints import with_mtp_head
 from engine import LLM, SamplingParams
 from engine.default_model import default_model_dir
 from workers.batch import ForwardBatch
@@ -17,7 +16,6 @@ from workers.config import ModelConfig
 from workers.drafters import DraftRequest
 from workers.model import HybridModel
 from workers.mtp import MTPDrafter, MTPHead
-from workers.random_init import init_random_
 from workers.weights import WeightsError, load_weights
 
 PROMPTS = ["def f(x):\n    return x", "import os\n", [7, 8, 9, 7, 8, 9, 7], "a" * 33]
@@ -26,16 +24,7 @@ MAX_NEW = [20, 9, 15, 12]
 
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory):
-    src = default_model_dir()
-    out = tmp_path_factory.mktemp("with_mtp")
-    for name in ("config.json", "tokenizer.json"):
-        shutil.copy(src / name, out / name)
-    cfg = ModelConfig.from_dir(src)
-    head = init_random_(MTPHead(cfg, 1, torch.float32, "cpu"), seed=5)  # type: ignore[arg-type]
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors.update({k: v.contiguous() for k, v in head.state_dict().items() if k.startswith("mtp.")})
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return with_mtp_head(default_model_dir(), tmp_path_factory.mktemp("with_mtp"))
 
 
 def test_mtp_head_loads_and_greedy_output_is_lossless(mtp_dir):

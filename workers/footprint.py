@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from workers.cache import ModelCache
 from workers.config import ModelConfig
 
 
@@ -28,14 +29,10 @@ class Footprint:
 def _state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(KV bytes per token, GDN bytes per slot), as workers/cache.py's ModelCache allocates them."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    kv = state = 0
-    for kind in cfg.layer_types:
-        if kind == "full_attention":
-            kv += 2 * cfg.num_key_value_heads * cfg.head_dim * elem
-        else:
-            state += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32
-            state += cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
-    return kv, state
+    gdn_layers = sum(1 for kind in cfg.layer_types if kind != "full_attention")
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32 recurrent
+    state += cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem  # conv window
+    return ModelCache.kv_bytes_per_token(cfg, dtype), gdn_layers * state
 
 
 def _weight_bytes(module: torch.nn.Module, expert_parallel: int = 1) -> int:
