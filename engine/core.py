@@ -38,7 +38,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     page_size: int = 16
-    num_pages: int | None = None  # None: enough for max_running requests of max_model_len tokens (capped)
+    # None: enough for max_running requests of max_model_len tokens (capped); with expert_parallel, the total over the
+    # ranks (each holds the pages of the requests it runs: an equal share)
+    num_pages: int | None = None
     max_running: int = 64  # also the number of GDN state slots
     max_step_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 32768)
@@ -165,8 +167,21 @@ class EngineCore:
             raise ValueError(f"max_model_len must be at most the model's max_position_embeddings ({longest}, "
                              f"{model_dir / 'config.json'}) or None, got {config.max_model_len}")
         self.max_model_len = int(config.max_model_len) if config.max_model_len is not None else min(longest, 32768)
-        num_pages = int(config.num_pages) if config.num_pages is not None else self._auto_num_pages(dtype, device)
-        self.memory = MemoryManager(num_pages, config.page_size, config.max_running)
+        # expert parallelism: each rank holds the KV pages and GDN slots of the requests it runs (attention/GDN run
+        # data-parallel), so the pools are partitioned, one partition per rank (scheduler/memory.py)
+        parts = int(config.expert_parallel) if config.executor == "ray" else 1
+        slots = -(-config.max_running // parts)  # a rank's GDN slots
+        if config.num_pages is not None:  # the total over the ranks
+            if config.num_pages < parts:
+                raise ValueError(f"num_pages must be at least expert_parallel ({parts}: each rank holds its own "
+                                 f"pages) or None (the engine's default), got {config.num_pages}")
+            num_pages = int(config.num_pages) // parts  # a rank's pages
+            if num_pages * parts != config.num_pages:
+                log.warning("num_pages %d is not a multiple of expert_parallel %d: each rank holds %d pages (%d in "
+                            "all)", config.num_pages, parts, num_pages, num_pages * parts)
+        else:
+            num_pages = self._auto_num_pages(dtype, device, slots)
+        self.memory = MemoryManager(num_pages * parts, config.page_size, slots * parts, parts)
         self.memory_tokens = num_pages * config.page_size  # the most tokens one request can ever hold
         speculating = config.spec != "off" and config.policy != "ar"
         if config.spec != "off" and config.policy == "ar":  # (allowed: a drafter loaded, ar's baseline beside it)
@@ -175,7 +190,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.memory, config.max_running, config.max_step_tokens, self.max_model_len,
                                    max_draft=config.max_verify_len if speculating else 0)
         self.executor = create_executor(config.executor, WorkerSpec(
-            str(model_dir), config.dtype, config.device, num_pages, config.page_size, config.max_running,
+            str(model_dir), config.dtype, config.device, num_pages, config.page_size, slots,
             spec=config.spec, policy=config.policy, max_verify_len=config.max_verify_len, draft_model=config.draft_model,
             replay_acceptance=config.replay_acceptance, expert_parallel=config.expert_parallel,
             startup_profile=(config.startup_profile if config.startup_profile is not None
@@ -190,12 +205,14 @@ class EngineCore:
         self._deferred_aborts: list[str] = []
         self.policy_stats: dict[str, float] = {}  # the worker's latest latency-model / calibration errors
 
-    def _auto_num_pages(self, dtype: torch.dtype, device: torch.device) -> int:
-        """Enough pages for max_running requests of max_model_len tokens, within a KV memory budget: 2 GiB on
-        CPU; on a GPU what its free memory leaves after the worker's weights and GDN state (and a drafter's) and a
+    def _auto_num_pages(self, dtype: torch.dtype, device: torch.device, slots: int | None = None) -> int:
+        """One worker's pages (an expert-parallel rank's, where `slots` is its share of max_running; None: all of
+        max_running): enough for `slots` requests of max_model_len tokens, within a KV memory budget: 2 GiB on CPU;
+        on a GPU what its free memory leaves after the worker's weights and GDN state (and a drafter's) and a
         reserve for activations and CUDA graphs (plan_kv_pages)."""
         cfg = self.config
-        wanted = cfg.max_running * -(-self.max_model_len // cfg.page_size)
+        slots = cfg.max_running if slots is None else slots
+        wanted = slots * -(-self.max_model_len // cfg.page_size)
         if device.type != "cuda":
             page_bytes = max(ModelCache.kv_bytes_per_token(self.model_config, dtype) * cfg.page_size, 1)
             return max(1, min(wanted, (2 << 30) // page_bytes))
@@ -203,14 +220,14 @@ class EngineCore:
         drafter, drafter_slots = None, 0
         try:
             if cfg.spec == "mtp":
-                drafter, drafter_slots = mtp_footprint(self.model_config, self.model_dir, dtype), cfg.max_running + 1
+                drafter, drafter_slots = mtp_footprint(self.model_config, self.model_dir, dtype), slots + 1
             elif cfg.spec in ("draft", "replay") and cfg.draft_model is not None:
                 drafter = model_footprint(ModelConfig.from_dir(cfg.draft_model), dtype)
-                drafter_slots = 2 * cfg.max_running + 1  # (DraftModelDrafter: a slot per request and its rollback)
+                drafter_slots = 2 * slots + 1  # (DraftModelDrafter: a slot per request and its rollback)
         except (OSError, ValueError):
             pass  # the worker names what is wrong with the drafter's checkpoint
         free, total = torch.cuda.mem_get_info(device)
-        return plan_kv_pages(free, total, wanted, cfg.page_size, cfg.max_running, self.max_model_len, target,
+        return plan_kv_pages(free, total, wanted, cfg.page_size, slots, self.max_model_len, target,
                              drafter, drafter_slots, str(device))
 
     # ---- requests ---------------------------------------------------------------------------------------

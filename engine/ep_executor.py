@@ -1,10 +1,12 @@
 """ExpertParallelExecutor: `--executor ray --expert-parallel N`. N Ray actors (one GPU each, or one CPU each in
 tests) joined in one torch.distributed group (NCCL on GPUs, gloo on CPU; rendezvous on 127.0.0.1 at a free port
 the driver picks, so a deployment is one host). Routed experts are sharded across the ranks
-(workers/expert_parallel.py); attention/GDN layers run data-parallel: each request is assigned to one rank when
-it first appears (the rank with the fewest assigned requests) and stays there until released, with its KV pages,
-GDN slot, sampling and drafting state. Ray places the actors and carries only StepRequest/StepResult; the
-per-layer tensors go through the collectives.
+(workers/expert_parallel.py); attention/GDN layers run data-parallel: each request runs on the rank its GDN slot
+comes from (the engine's memory is partitioned, one partition per rank, scheduler/memory.py: a request's slot and
+pages all lie in one rank's range), which holds its KV pages, GDN state, sampling and drafting state; each rank
+allocates only its own pools (the spec's num_pages / num_slots), and the ids it gets are made local to them. A
+preempted request admitted again may land on another rank (the old one forgets it). Ray places the actors and
+carries only StepRequest/StepResult; the per-layer tensors go through the collectives.
 
 Every engine step calls every rank (an empty list included: an idle rank still takes part in each MoE layer's
 all-to-all), with every rank's row bound for the step (`step_rows_bound` of what each rank gets: the
@@ -12,8 +14,7 @@ exchanges' static split sizes), and waits for all; the step's StepResult is the 
 `step_ms` the slowest rank's (`last_rank_ms` keeps each rank's target forward time).
 
 Each rank loads only its share of the routed experts (ModelRunner.create's `local_experts`) and every other
-weight. Page and slot ids are the engine's global ones, so every rank allocates the full page and slot pools
-(memory cost: N copies of the KV/GDN pools; per-rank pools are not done).
+weight.
 
 Failure: a gloo/NCCL group cannot lose a member. When any rank dies (or a step fails on one), every actor is
 killed, the call raises WorkerLost (the engine fails its running requests with UNAVAILABLE), and the next call
@@ -77,8 +78,8 @@ class ExpertParallelExecutor:
         self.placement = placement
         self.start_timeout_s, self.group_timeout_s = start_timeout_s, group_timeout_s
         self.actors: list[Any] = []
-        self.owner: dict[str, int] = {}  # request id -> rank
-        self.load = [0] * self.world_size  # requests assigned per rank
+        self.owner: dict[str, int] = {}  # request id -> rank (of the requests with state on the group)
+        self.moves = 0  # preempted requests admitted again on another rank
         self.last_rank_ms: list[float] = [0.0] * self.world_size  # each rank's last target forward (ms)
         self.groups_started = 0
         self._lost = False
@@ -103,7 +104,7 @@ class ExpertParallelExecutor:
             self._teardown()
             raise WorkerLost(f"could not start the expert-parallel group: {type(e).__name__}: {e}") from e
         self.pids = [pid for _, pid in ready]
-        self.owner, self.load = {}, [0] * self.world_size
+        self.owner = {}
         self.groups_started += 1
         self._lost = False
 
@@ -114,7 +115,7 @@ class ExpertParallelExecutor:
                 ray.kill(a, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already gone
                 log.debug("ray.kill: %s", e)
-        self.owner, self.load = {}, [0] * self.world_size
+        self.owner = {}
 
     def _lose(self, why: str, cause: BaseException | None = None) -> None:
         self._teardown()
@@ -140,13 +141,36 @@ class ExpertParallelExecutor:
         return ray.get(refs)
 
     # ---- the Executor interface ------------------------------------------------------------------------------
-    def _rank_of(self, request_id: str) -> int:
-        rank = self.owner.get(request_id)
-        if rank is None:
-            rank = min(range(self.world_size), key=lambda r: (self.load[r], r))
-            self.owner[request_id] = rank
-            self.load[rank] += 1
-        return rank
+    def _local(self, r: StepRequest) -> tuple[int, StepRequest]:
+        """The rank that runs a request (the partition of its slot) and the request with that rank's own page and
+        slot ids. Raises ValueError for ids outside the rank's range (the engine's memory was not partitioned for
+        this group)."""
+        pages_per_rank, slots_per_rank = self.spec.num_pages, self.spec.num_slots
+        rank = r.slot // slots_per_rank
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"request {r.request_id!r}: slot {r.slot} is outside the {self.world_size} ranks' "
+                             f"{self.world_size * slots_per_rank} slots")
+        known = self.owner.setdefault(r.request_id, rank)
+        if known != rank:
+            if r.context_len:
+                raise ValueError(f"request {r.request_id!r} moved from rank {known} to rank {rank} (slot {r.slot}) "
+                                 f"with {r.context_len} tokens cached")
+            # preempted and admitted again (its prompt computed afresh) into another rank's partition: the old
+            # rank forgets its sampling/drafting state (seeded sampling is keyed by position: nothing to carry)
+            self.actors[known].release.remote([r.request_id])
+            self.owner[r.request_id] = rank
+            self.moves += 1
+        base = rank * pages_per_rank
+        if rank == 0:
+            local_pages = r.pages
+        else:
+            local_pages = [p - base for p in r.pages]
+        if local_pages and not (0 <= min(local_pages) and max(local_pages) < pages_per_rank):
+            raise ValueError(f"request {r.request_id!r} on rank {rank} holds pages outside the rank's range "
+                             f"[{base}, {base + pages_per_rank})")
+        if rank == 0:
+            return 0, r
+        return rank, dataclasses.replace(r, pages=local_pages, slot=r.slot - rank * slots_per_rank)
 
     def execute(self, requests: list[StepRequest]) -> StepResult:
         self._ensure()
@@ -166,7 +190,8 @@ class ExpertParallelExecutor:
     def _execute(self, requests: list[StepRequest]) -> StepResult:
         per_rank: list[list[StepRequest]] = [[] for _ in range(self.world_size)]
         for r in requests:
-            per_rank[self._rank_of(r.request_id)].append(r)
+            rank, local = self._local(r)
+            per_rank[rank].append(local)
         # every rank's row bound this step, to every rank: the MoE exchanges size their all-to-alls from it
         # (host-known split sizes: no host sync in the layers)
         rows = [step_rows_bound(work) for work in per_rank]
@@ -181,7 +206,6 @@ class ExpertParallelExecutor:
         for rid in request_ids:
             rank = self.owner.pop(rid, None)
             if rank is not None:
-                self.load[rank] -= 1
                 by_rank.setdefault(rank, []).append(rid)
         if self._lost or not self.actors:
             return  # the group that held them is gone
@@ -197,6 +221,11 @@ class ExpertParallelExecutor:
         """Bytes of routed-expert weights held by each rank."""
         self._ensure()
         return self._gather([a.expert_bytes.remote() for a in self.actors])
+
+    def pool_sizes(self) -> list[tuple[int, int]]:
+        """(KV pages, GDN slots) allocated by each rank."""
+        self._ensure()
+        return self._gather([a.pool_sizes.remote() for a in self.actors])
 
     def shutdown(self) -> None:
         """Kills the ranks and stops the local Ray this executor started. Any thread, any number of times (the

@@ -3,6 +3,10 @@
 Pure bookkeeping (no tensors): the worker owns the actual page and slot buffers and
 addresses them through the ids handed out here. Accounting is exact: at every moment each
 page and slot is either free or owned by exactly one request.
+
+Partitions (expert parallelism: one per rank, each rank holding only its own pools): the page ids and the slot ids
+are split into `partitions` equal contiguous ranges; a request gets its slot and every page from one partition,
+chosen at admission, so the rank that owns that range holds all of its state. One partition is a single pool.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ class OutOfMemory(Exception):
 
 
 class _IdAllocator:
-    """Free list over the ids 0..total-1, shared by the page and slot pools."""
+    """Free list over the ids base..base+total-1, shared by the page and slot pools."""
 
-    def __init__(self, kind: str, total: int) -> None:
+    def __init__(self, kind: str, total: int, base: int = 0) -> None:
         if total < 0:
             raise ValueError(f"number of {kind}s must be >= 0, got {total}")
         self.kind = kind
-        self.total = total
-        self.free_ids: deque[int] = deque(range(total))
+        self.total, self.base = total, base
+        self.free_ids: deque[int] = deque(range(base, base + total))
         self.used_ids: set[int] = set()
 
     def allocate(self, n: int) -> list[int]:
@@ -38,31 +42,88 @@ class _IdAllocator:
         self.used_ids.update(ids)
         return ids
 
-    def free(self, ids: list[int]) -> None:
-        """Return ids to the pool; validates all of them before changing anything."""
+    def check_free(self, ids: list[int]) -> None:
+        """Raises ValueError unless every id is allocated here (once in ids)."""
         seen: set[int] = set()
         for i in ids:
-            if not 0 <= i < self.total:
-                raise ValueError(f"{self.kind} {i} is not an id of this pool (0..{self.total - 1})")
+            if not self.base <= i < self.base + self.total:
+                raise ValueError(f"{self.kind} {i} is not an id of this pool "
+                                 f"({self.base}..{self.base + self.total - 1})")
             if i not in self.used_ids or i in seen:
                 raise ValueError(f"{self.kind} {i} is not allocated (double free?)")
             seen.add(i)
+
+    def free(self, ids: list[int]) -> None:
+        """Return ids to the pool; validates all of them before changing anything."""
+        self.check_free(ids)
         self.used_ids.difference_update(ids)
         self.free_ids.extend(ids)
 
 
+class _Partitioned:
+    """`partitions` allocators over equal contiguous ranges of the ids 0..total-1."""
+
+    def __init__(self, kind: str, total: int, partitions: int) -> None:
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+            raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
+        if total < 0:
+            raise ValueError(f"number of {kind}s must be >= 0, got {total}")
+        if total % partitions:
+            raise ValueError(f"number of {kind}s ({total}) must be a multiple of partitions ({partitions})")
+        self.kind, self.partitions, self.per_part = kind, partitions, total // partitions
+        self.parts = [_IdAllocator(kind, self.per_part, p * self.per_part) for p in range(partitions)]
+
+    def part(self, part: int) -> _IdAllocator:
+        if not 0 <= part < self.partitions:
+            raise ValueError(f"partition must be in [0, {self.partitions}), got {part!r}")
+        return self.parts[part]
+
+    def part_of(self, i: int) -> int:
+        """The partition of id i (ValueError naming the pool's range when i is not one of its ids)."""
+        total = self.per_part * self.partitions
+        if not 0 <= i < total:
+            raise ValueError(f"{self.kind} {i} is not an id of this pool (0..{total - 1})")
+        return i // self.per_part
+
+    def num_free(self, part: int | None = None) -> int:
+        if part is None:
+            return sum(len(a.free_ids) for a in self.parts)
+        return len(self.part(part).free_ids)
+
+    def free(self, ids: list[int]) -> None:
+        """Returns ids to their partitions; validates all of them before changing anything."""
+        if self.partitions == 1:
+            self.parts[0].free(ids)
+            return
+        groups: dict[int, list[int]] = {}
+        for i in ids:
+            groups.setdefault(self.part_of(i), []).append(i)
+        for p, group in groups.items():
+            self.parts[p].check_free(group)
+        for p, group in groups.items():
+            self.parts[p].free(group)
+
+
 @dataclass
 class PagePool:
-    """Pool of fixed-size KV pages with ids 0..num_pages-1."""
+    """Pool of fixed-size KV pages with ids 0..num_pages-1, in `partitions` equal ranges (module docstring)."""
 
     num_pages: int
     page_size: int = 16
-    _ids: _IdAllocator = field(init=False, repr=False, compare=False)
+    partitions: int = 1
+    _ids: _Partitioned = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        self._ids = _IdAllocator("page", self.num_pages)
+        self._ids = _Partitioned("page", self.num_pages, self.partitions)
+
+    @property
+    def pages_per_part(self) -> int:
+        return self._ids.per_part
+
+    def part_of(self, page: int) -> int:
+        return self._ids.part_of(page)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold num_tokens tokens of KV (0 for 0)."""
@@ -70,15 +131,16 @@ class PagePool:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.page_size)
 
-    def num_free(self) -> int:
-        return len(self._ids.free_ids)
+    def num_free(self, part: int | None = None) -> int:
+        """Free pages of one partition (None: of all)."""
+        return self._ids.num_free(part)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free()
+    def can_allocate(self, n: int, part: int = 0) -> bool:
+        return n <= self._ids.num_free(part)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n pages; raises OutOfMemory (and takes none) if fewer are free."""
-        return self._ids.allocate(n)
+    def allocate(self, n: int, part: int = 0) -> list[int]:
+        """Take n pages of one partition; raises OutOfMemory (and takes none) if fewer are free there."""
+        return self._ids.part(part).allocate(n)
 
     def free(self, pages: list[int]) -> None:
         """Give pages back; a double free or a foreign id raises ValueError and frees none."""
@@ -87,23 +149,33 @@ class PagePool:
 
 @dataclass
 class SlotPool:
-    """Pool of per-request GDN state slots (recurrent state + conv window), ids 0..num_slots-1."""
+    """Pool of per-request GDN state slots (recurrent state + conv window), ids 0..num_slots-1, in `partitions`
+    equal ranges (module docstring)."""
 
     num_slots: int
-    _ids: _IdAllocator = field(init=False, repr=False, compare=False)
+    partitions: int = 1
+    _ids: _Partitioned = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._ids = _IdAllocator("slot", self.num_slots)
+        self._ids = _Partitioned("slot", self.num_slots, self.partitions)
 
-    def num_free(self) -> int:
-        return len(self._ids.free_ids)
+    @property
+    def slots_per_part(self) -> int:
+        return self._ids.per_part
 
-    def can_allocate(self, n: int = 1) -> bool:
-        return n <= self.num_free()
+    def part_of(self, slot: int) -> int:
+        return self._ids.part_of(slot)
 
-    def allocate(self) -> int:
-        """Take one slot; raises OutOfMemory if none is free."""
-        return self._ids.allocate(1)[0]
+    def num_free(self, part: int | None = None) -> int:
+        """Free slots of one partition (None: of all)."""
+        return self._ids.num_free(part)
+
+    def can_allocate(self, n: int = 1, part: int = 0) -> bool:
+        return n <= self._ids.num_free(part)
+
+    def allocate(self, part: int = 0) -> int:
+        """Take one slot of a partition; raises OutOfMemory if none is free there."""
+        return self._ids.part(part).allocate(1)[0]
 
     def free(self, slot: int) -> None:
         """Give a slot back; a double free or a foreign id raises ValueError."""
@@ -112,7 +184,7 @@ class SlotPool:
 
 @dataclass
 class RequestTable:
-    """One request's memory: its KV pages in token order and its GDN state slot.
+    """One request's memory: its KV pages in token order and its GDN state slot, all of one partition.
 
     Invariant kept by MemoryManager: len(pages) == pages_for(num_tokens).
     """
@@ -120,47 +192,79 @@ class RequestTable:
     pages: list[int]
     slot: int | None
     num_tokens: int  # tokens whose KV is stored (the cached length)
+    part: int = 0  # the partition its slot and pages come from
 
 
 class MemoryManager:
-    """Owns a PagePool and a SlotPool and the per-request tables, keyed by request id (str)."""
+    """Owns a PagePool and a SlotPool and the per-request tables, keyed by request id (str). With partitions > 1
+    each request lives in one partition (module docstring): num_pages and num_slots are the totals."""
 
-    def __init__(self, num_pages: int, page_size: int, num_slots: int) -> None:
-        self.pages = PagePool(num_pages, page_size)
-        self.slots = SlotPool(num_slots)
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, partitions: int = 1) -> None:
+        self.pages = PagePool(num_pages, page_size, partitions)
+        self.slots = SlotPool(num_slots, partitions)
+        self.partitions = partitions
         self.tables: dict[str, RequestTable] = {}
+        self.part_load = [0] * partitions  # admitted requests per partition
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.tables
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a new request needing one slot and pages for num_tokens fits now."""
-        return self.slots.can_allocate(1) and self.pages.can_allocate(self.pages.pages_for(num_tokens))
+    def pages_for(self, num_tokens: int) -> int:
+        return self.pages.pages_for(num_tokens)
+
+    def part_of(self, request_id: str) -> int:
+        return self.table(request_id).part
+
+    def free_pages(self, part: int | None = None) -> int:
+        """Free pages of a partition (None: of all)."""
+        return self.pages.num_free(part)
+
+    def can_admit(self, num_tokens: int, part: int | None = None) -> bool:
+        """Whether a new request needing one slot and pages for num_tokens fits now (in that partition; None: in
+        any)."""
+        need = self.pages.pages_for(num_tokens)
+        parts = range(self.partitions) if part is None else (part,)
+        return any(self.slots.can_allocate(1, p) and self.pages.can_allocate(need, p) for p in parts)
+
+    def admission_parts(self, num_tokens: int) -> list[int]:
+        """The partitions a new request needing pages for num_tokens fits in now, the least loaded first (fewest
+        requests, then most free pages, then the lowest index): the order admit tries them in."""
+        need = self.pages.pages_for(num_tokens)
+        fits = [p for p in range(self.partitions) if self.slots.can_allocate(1, p) and self.pages.can_allocate(need, p)]
+        return sorted(fits, key=lambda p: (self.part_load[p], -self.pages.num_free(p), p))
 
     def fits_ever(self, num_tokens: int) -> bool:
-        """Whether the request would fit in empty pools; if not, it must be rejected, not queued."""
-        return self.slots.num_slots >= 1 and self.pages.pages_for(num_tokens) <= self.pages.num_pages
+        """Whether the request would fit in empty pools (one partition's); if not, it must be rejected, not
+        queued."""
+        return self.slots.slots_per_part >= 1 and self.pages.pages_for(num_tokens) <= self.pages.pages_per_part
 
-    def admit(self, request_id: str, num_tokens: int = 0) -> RequestTable:
-        """Allocate a slot and pages for num_tokens; all or nothing."""
+    def admit(self, request_id: str, num_tokens: int = 0, part: int | None = None) -> RequestTable:
+        """Allocate a slot and pages for num_tokens, in the given partition (None: the least loaded that fits);
+        all or nothing."""
         if request_id in self.tables:
             raise ValueError(f"request {request_id!r} is already admitted; release it first")
         num_pages = self.pages.pages_for(num_tokens)
-        if not self.can_admit(num_tokens):
+        if part is None:
+            fits = self.admission_parts(num_tokens)
+            part = fits[0] if fits else 0
+        if not self.can_admit(num_tokens, part):
+            where = f" of partition {part}" if self.partitions > 1 else ""
             raise OutOfMemory(
                 f"cannot admit request {request_id!r}: it needs 1 slot and {num_pages} page(s) "
-                f"for {num_tokens} tokens, but {self.slots.num_free()} slot(s) and "
-                f"{self.pages.num_free()} page(s) are free"
+                f"for {num_tokens} tokens, but {self.slots.num_free(part)} slot(s) and "
+                f"{self.pages.num_free(part)} page(s){where} are free"
             )
-        table = RequestTable(pages=self.pages.allocate(num_pages), slot=self.slots.allocate(), num_tokens=num_tokens)
+        table = RequestTable(pages=self.pages.allocate(num_pages, part), slot=self.slots.allocate(part),
+                             num_tokens=num_tokens, part=part)
         self.tables[request_id] = table
+        self.part_load[part] += 1
         return table
 
     def can_grow(self, request_id: str, new_num_tokens: int) -> bool:
         """Whether grow(request_id, new_num_tokens) would find enough free pages."""
         table = self.table(request_id)
         extra = self.pages.pages_for(new_num_tokens) - len(table.pages)
-        return self.pages.can_allocate(max(extra, 0))
+        return self.pages.can_allocate(max(extra, 0), table.part)
 
     def grow(self, request_id: str, new_num_tokens: int) -> None:
         """Append pages so they cover new_num_tokens and set the length; all or nothing."""
@@ -172,7 +276,7 @@ class MemoryManager:
             )
         extra = self.pages.pages_for(new_num_tokens) - len(table.pages)
         if extra > 0:  # (most decode steps stay within their last page)
-            table.pages.extend(self.pages.allocate(extra))
+            table.pages.extend(self.pages.allocate(extra, table.part))
         table.num_tokens = new_num_tokens
 
     def try_grow(self, request_id: str, new_num_tokens: int) -> bool:
@@ -186,9 +290,9 @@ class MemoryManager:
             )
         extra = -(-new_num_tokens // self.pages.page_size) - len(table.pages)
         if extra > 0:  # (most decode steps stay within their last page)
-            if extra > self.pages.num_free():
+            if extra > self.pages.num_free(table.part):
                 return False
-            table.pages.extend(self.pages.allocate(extra))
+            table.pages.extend(self.pages.allocate(extra, table.part))
         table.num_tokens = new_num_tokens
         return True
 
@@ -206,15 +310,15 @@ class MemoryManager:
         if least <= most <= held * page_size:  # within its pages (most steps)
             new_num_tokens = most
         else:
-            new_num_tokens = min(max(most, least), (held + self.pages.num_free()) * page_size)
+            new_num_tokens = min(max(most, least), (held + self.pages.num_free(table.part)) * page_size)
         if new_num_tokens < least:
             raise OutOfMemory(
                 f"cannot grow request {request_id!r} to {least} tokens: it holds {held} page(s) and "
-                f"{self.pages.num_free()} are free"
+                f"{self.pages.num_free(table.part)} are free"
             )
         extra = -(-new_num_tokens // page_size) - held
         if extra > 0:
-            table.pages.extend(self.pages.allocate(extra))
+            table.pages.extend(self.pages.allocate(extra, table.part))
         table.num_tokens = new_num_tokens
         return new_num_tokens
 
@@ -239,6 +343,7 @@ class MemoryManager:
         if table.slot is not None:
             self.slots.free(table.slot)
         del self.tables[request_id]
+        self.part_load[table.part] -= 1
 
     def table(self, request_id: str) -> RequestTable:
         try:

@@ -8,6 +8,10 @@ anyone preempted. Waiting requests are admitted in arrival order while a state s
 their whole prompt are free beyond what the running requests still need for theirs. When a
 running request cannot get a page for its own tokens, the youngest running request is preempted: its memory is
 released and it goes back to the front of the queue, to be recomputed later.
+
+With a partitioned memory (expert parallelism: one partition per rank) each request lives in one partition: a
+waiting request is admitted to the least loaded partition its whole prompt fits in (as above, within that
+partition), and a request short of a page preempts the youngest running request of its own partition.
 """
 
 from __future__ import annotations
@@ -70,9 +74,12 @@ class Scheduler:
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.params.max_new_tokens}) "
                 f"must be at most the model's length limit {self.max_model_len}, got {final_len}")
         if not self.memory.fits_ever(final_len):
+            pool = (f"the pool has {self.memory.pages.num_pages}" if self.memory.partitions == 1 else
+                    f"each of the {self.memory.partitions} expert-parallel ranks' pools has "
+                    f"{self.memory.pages.pages_per_part}")
             raise RequestTooLarge(
-                f"prompt + max_new_tokens = {final_len} tokens needs {self.memory.pages.pages_for(final_len)} KV "
-                f"pages but the pool has {self.memory.pages.num_pages}")
+                f"prompt + max_new_tokens = {final_len} tokens needs {self.memory.pages_for(final_len)} KV "
+                f"pages but {pool}")
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
@@ -115,7 +122,7 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.memory.try_grow(request.request_id, request.num_computed + n):
-                victim = self.running[-1]
+                victim = self._youngest_beside(request)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -141,21 +148,26 @@ class Scheduler:
         # requests still need for theirs: admitting on its first chunk alone let it take pages a running request
         # grew into a few steps later, so it was preempted, re-admitted and preempted again, its prefill recomputed
         # each time (a pool of about one long request: 5x the tokens, 100 preemptions for 6 requests)
-        owed = None  # pages the running requests still need to reach their whole length + 1
+        owed: list[int] | None = None  # per partition: pages its running requests still need to reach their whole
+        # length + 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not plan.preempted:
             request = self.waiting[0]
             n = min(request.num_tokens, budget)
-            if not self.memory.can_admit(n):
+            parts = self.memory.admission_parts(n)
+            if not parts:
                 break
             if self.running:
                 if owed is None:
-                    owed = sum(self._pages_owed(r) for r in self.running)
+                    owed = [0] * self.memory.partitions
+                    for r in self.running:
+                        owed[self.memory.part_of(r.request_id)] += self._pages_owed(r)
                 whole = self._pages_whole(request)
-                if whole + owed > self.memory.pages.num_free():
+                parts = [p for p in parts if whole + owed[p] <= self.memory.free_pages(p)]
+                if not parts:
                     break
-                owed += whole - self.memory.pages.pages_for(n)
+                owed[parts[0]] += whole - self.memory.pages_for(n)
             self.waiting.popleft()
-            self.memory.admit(request.request_id, n)
+            self.memory.admit(request.request_id, n, parts[0])
             request.status, request.num_computed = RequestStatus.RUNNING, 0
             self.running.append(request)
             plan.chunks.append(ScheduledChunk(request, 0, n))
@@ -185,13 +197,21 @@ class Scheduler:
     def _pages_whole(self, request: Request) -> int:
         """Pages for a request's whole length + 1 (the rest of its prompt or its next token; not past its last)."""
         final = len(request.prompt_ids) + request.params.max_new_tokens
-        return self.memory.pages.pages_for(min(request.num_tokens + 1, final))
+        return self.memory.pages_for(min(request.num_tokens + 1, final))
 
     def _pages_owed(self, request: Request) -> int:
         """Pages a running request does not hold yet for its whole length + 1; negative where it holds more: the
         pages reserved for its drafts this step, back at the commit (a credit, or drafts would hold admission
         off until a running request finished)."""
         return self._pages_whole(request) - len(self.memory.table(request.request_id).pages)
+
+    def _youngest_beside(self, request: Request) -> Request:
+        """The youngest running request whose pages are in the same partition as the request's (the only ones
+        whose release gives it a page; the youngest of all with one partition). The request itself at worst."""
+        if self.memory.partitions == 1:
+            return self.running[-1]
+        part = self.memory.part_of(request.request_id)
+        return next(r for r in reversed(self.running) if self.memory.part_of(r.request_id) == part)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.memory.release(request.request_id)

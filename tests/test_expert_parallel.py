@@ -531,3 +531,54 @@ def test_local_experts_for_another_model_are_refused(tmp_path):
     cfg = ModelConfig.from_dir(model_dir)
     with pytest.raises(ValueError, match=r"local_experts has 1 lists, the model \d+ MoE layers"):
         ModelRunner.create(cfg, model_dir, torch.float32, "cpu", 4, 16, 2, local_experts=[[0]])
+
+
+def test_each_rank_holds_only_its_share_of_the_pools(on_ep):
+    """The engine's pages and slots are partitioned, one partition per rank; a rank allocates only its own."""
+    memory = on_ep.engine.memory
+    assert memory.partitions == 2 and memory.slots.num_slots == LIMITS["max_running"]
+    per_rank = (memory.pages.pages_per_part, memory.slots.slots_per_part)
+    assert per_rank[1] == LIMITS["max_running"] // 2
+    assert on_ep.engine.executor.pool_sizes() == [per_rank, per_rank]
+    assert on_ep.engine.memory_tokens == per_rank[0] * memory.pages.page_size  # one request's most: one rank's
+
+
+def test_tight_rank_pools_preempt_within_a_rank_and_move_requests_without_changing_tokens(local, on_ep):
+    """Pools of 40 tokens a rank for four requests of 24-37 tokens: requests are preempted (a victim from the short
+    rank's own requests) and some are admitted again on the other rank; the tokens are the single worker's."""
+    from engine import LLM, SamplingParams
+
+    on_ep.engine.executor._teardown()  # its two ranks give their CPUs back (the local Ray has two); its next call
+    # starts a new group
+
+    prompts = ["def fibonacci(n):", "import os\n", "class A:\n    pass", list(range(5, 18))]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    expected = [r.token_ids for r in local.generate(prompts, params)]
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    tight = LLM(executor="ray", expert_parallel=2, num_pages=20, page_size=4, max_running=4, max_model_len=512)
+    try:
+        assert tight.engine.executor.pool_sizes() == [(10, 2), (10, 2)]
+        out = tight.generate(prompts, params)
+        assert [r.token_ids for r in out] == expected
+        assert sum(r.stats.preemptions for r in out) > 0
+        assert tight.engine.executor.moves > 0
+        stats = tight.engine.memory.stats()
+        assert stats["used_pages"] == 0 and stats["used_slots"] == 0 and tight.engine.executor.owner == {}
+        with pytest.raises(ValueError, match="expert-parallel ranks' pools has 10"):
+            tight.engine.scheduler.check_fits(_request_of(41))
+    finally:
+        tight.engine.shutdown()
+
+
+def _request_of(num_tokens: int):
+    from scheduler.request import Request
+    from scheduler.types import SamplingParams
+
+    return Request("big", list(range(num_tokens - 1)), SamplingParams(max_new_tokens=1))
+
+
+def test_fewer_pages_than_ranks_are_refused_naming_the_option():
+    from engine import LLM
+
+    with pytest.raises(ValueError, match=r"num_pages must be at least expert_parallel \(2: each rank holds its own"):
+        LLM(executor="ray", expert_parallel=2, num_pages=1, **LIMITS)

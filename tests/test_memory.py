@@ -369,15 +369,16 @@ MemoryManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step
 test_random_admit_grow_shrink_release_keeps_accounting_exact = MemoryManagerMachine.TestCase
 
 
-def test_long_seeded_random_sequence_ends_with_everything_free() -> None:
-    rng = random.Random(0)
-    mm = MemoryManager(num_pages=64, page_size=16, num_slots=8)
+def run_random_sequence(mm: MemoryManager, seed: int, steps: int, longest: int, check=None) -> None:
+    """Random admits, decode growth (up to 16 drafts), rollbacks and releases; exact accounting after each (and
+    `check(mm)`); everything free at the end."""
+    rng = random.Random(seed)
     lengths: dict[str, int] = {}
-    for step in range(3000):
+    for step in range(steps):
         op = rng.choice(["admit", "grow", "grow", "shrink", "release"]) if lengths else "admit"
         request_id = rng.choice(sorted(lengths)) if lengths else ""
         if op == "admit":
-            num_tokens = rng.randint(0, 200)
+            num_tokens = rng.randint(0, longest)
             if mm.can_admit(num_tokens):
                 mm.admit(f"r{step}", num_tokens)
                 lengths[f"r{step}"] = num_tokens
@@ -394,6 +395,74 @@ def test_long_seeded_random_sequence_ends_with_everything_free() -> None:
             mm.release(request_id)
             del lengths[request_id]
         assert_accounting_exact(mm)
+        if check is not None:
+            check(mm)
     for request_id in list(lengths):
         mm.release(request_id)
     assert_all_free(mm)
+
+
+def test_long_seeded_random_sequence_ends_with_everything_free() -> None:
+    run_random_sequence(MemoryManager(num_pages=64, page_size=16, num_slots=8), seed=0, steps=3000, longest=200)
+
+
+# --- partitions (expert parallelism: one per rank) -----------------------------------------------------------
+
+
+def test_partitioned_pools_split_ids_into_equal_ranges_and_keep_each_request_in_one() -> None:
+    mm = MemoryManager(num_pages=12, page_size=4, num_slots=4, partitions=2)
+    assert mm.pages.pages_per_part == 6 and mm.slots.slots_per_part == 2
+    a = mm.admit("a", 9)  # the least loaded partition: 0 (ties: most free pages, then the lowest index)
+    b = mm.admit("b", 5)  # now 1 has fewer requests
+    assert (a.part, b.part) == (0, 1)
+    assert all(0 <= p < 6 for p in a.pages) and a.slot in (0, 1)
+    assert all(6 <= p < 12 for p in b.pages) and b.slot in (2, 3)
+    mm.grow("b", 24)  # 6 pages: the whole of partition 1
+    assert all(6 <= p < 12 for p in mm.table("b").pages) and mm.free_pages(1) == 0
+    assert not mm.can_grow("b", 25)  # partition 0's free pages are not b's
+    with pytest.raises(OutOfMemory):
+        mm.grow("b", 25)
+    assert mm.can_admit(4) and not mm.can_admit(4, part=1) and mm.admission_parts(4) == [0]
+    with pytest.raises(OutOfMemory, match="of partition 1"):
+        mm.admit("c", 4, part=1)
+    assert mm.grow_upto("a", 9, 40) == 24  # drafts' pages only from a's own partition
+    first = mm.table("b").pages[0]
+    mm.shrink("b", 3)
+    assert mm.table("b").pages == [first] and mm.free_pages(1) == 5
+    assert mm.part_load == [1, 1]
+    assert_accounting_exact(mm)
+    for rid in ("a", "b"):
+        mm.release(rid)
+    assert_all_free(mm)
+    assert mm.part_load == [0, 0]
+
+
+def test_partitioned_pool_sizes_must_divide_and_frees_validate_across_partitions() -> None:
+    with pytest.raises(ValueError, match=r"number of pages \(10\) must be a multiple of partitions \(3\)"):
+        MemoryManager(num_pages=10, page_size=4, num_slots=3, partitions=3)
+    with pytest.raises(ValueError, match=r"number of slots \(4\) must be a multiple of partitions \(3\)"):
+        MemoryManager(num_pages=9, page_size=4, num_slots=4, partitions=3)
+    with pytest.raises(ValueError, match="partitions must be an integer >= 1, got 0"):
+        PagePool(8, 4, partitions=0)
+    pool = PagePool(8, 4, partitions=2)
+    low, high = pool.allocate(2, part=0), pool.allocate(2, part=1)
+    assert low == [0, 1] and high == [4, 5] and pool.part_of(5) == 1
+    with pytest.raises(ValueError, match="page 6 is not allocated"):
+        pool.free([low[0], 6])  # the second id is free: nothing is freed
+    assert pool.num_free() == 4 and pool.num_free(0) == 2
+    with pytest.raises(ValueError, match=r"page 8 is not an id of this pool \(0..7\)"):
+        pool.free([8])
+    with pytest.raises(ValueError, match=r"partition must be in \[0, 2\), got 2"):
+        pool.allocate(1, part=2)
+    pool.free(low + high)
+    assert pool.num_free() == 8
+
+
+def test_partitioned_random_sequence_keeps_every_request_inside_its_partition() -> None:
+    def inside(mm: MemoryManager) -> None:
+        for t in mm.tables.values():
+            assert {mm.pages.part_of(p) for p in t.pages} <= {t.part} and mm.slots.part_of(t.slot) == t.part
+        assert mm.part_load == [sum(t.part == p for t in mm.tables.values()) for p in range(3)]
+
+    run_random_sequence(MemoryManager(num_pages=48, page_size=16, num_slots=6, partitions=3), seed=1, steps=2000,
+                        longest=120, check=inside)

@@ -118,6 +118,20 @@ def test_engine_sizes_the_pool_from_the_footprint_on_a_gpu(monkeypatch, tmp_path
         core._auto_num_pages(torch.bfloat16, torch.device("cuda"))
 
 
+def test_an_expert_parallel_rank_sizes_its_own_pool_for_its_share_of_the_requests(monkeypatch):
+    """Under expert parallelism each rank holds the KV and GDN state of its share of max_running only: its pool
+    wants pages for that share, and the GDN state it sets aside is that share's."""
+    target = model_footprint(ModelConfig.from_dir(default_model_dir()), torch.bfloat16, 2)
+    page_bytes = target.kv_bytes_per_token * 16
+    free = target.weight_bytes + 5 * target.state_bytes_per_slot + 4 * GIB + 1500 * page_bytes
+    core = _engine_on_a_fake_gpu(monkeypatch, free, 16 * GIB, max_running=8, executor="ray", expert_parallel=2)
+    assert core._auto_num_pages(torch.bfloat16, torch.device("cuda"), 4) == 1024  # 4 requests of 4096 tokens
+    core = _engine_on_a_fake_gpu(monkeypatch, free, 16 * GIB, max_running=16, executor="ray", expert_parallel=2)
+    # 9 slots' GDN state, not 5: 4 slots' bytes less room for pages
+    assert core._auto_num_pages(torch.bfloat16, torch.device("cuda"), 8) == (
+        1500 * page_bytes - 4 * target.state_bytes_per_slot) // page_bytes < 1500
+
+
 def test_an_expert_parallel_rank_counts_its_share_of_the_experts(tmp_path):
     """ModelRunner.create(local_experts=...) keeps at most ceil(E / N) experts a layer on a rank: the footprint
     counts the largest rank's share (and every non-expert weight in full)."""

@@ -264,3 +264,64 @@ def test_token_view_reads_as_the_concatenation_and_keeps_its_length():
     assert type(back) is list and back == whole
     assert "TokenView" in repr(view)
 
+
+
+def test_partitions_admit_to_the_least_loaded_rank_and_preempt_only_within_a_rank():
+    """Two partitions (expert-parallel ranks) of 6 pages: a request short of a page preempts the youngest request
+    of its own partition, not the youngest of all, which holds none of its pages."""
+    memory = MemoryManager(num_pages=12, page_size=4, num_slots=4, partitions=2)
+    sched = Scheduler(memory, 4, max_step_tokens=64, max_model_len=64)
+    a, b, c = make("a", 8, max_new=14), make("b", 12, max_new=2), make("c", 8, max_new=14)
+    for r in (a, b, c):
+        sched.add(r)
+    run_step(sched)
+    # a -> 0; b -> 1 (fewer requests); c: a tie on requests, partition 0 has more free pages (4 against 3)
+    assert [memory.part_of(r.request_id) for r in (a, b, c)] == [0, 1, 0]
+    young = make("young", 2, max_new=20)  # the youngest of all, in partition 1 (fewer requests), running throughout
+    sched.add(young)
+    run_step(sched)
+    assert memory.part_of("young") == 1
+    preempted = []
+    for _ in range(80):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        preempted += [r.request_id for r in plan.preempted]
+        sched.commit(plan)
+        for ch in plan.chunks:
+            if ch.completes:
+                ch.request.output_ids.append(7)
+                if len(ch.request.output_ids) >= ch.request.params.max_new_tokens:
+                    sched.finish(ch.request, "length")
+    # a and c (22 tokens each at the end: 6 pages each) cannot both finish in partition 0's 6 pages: c, the younger
+    # of the two, is preempted (and admitted again where its tokens so far fit), never young
+    assert preempted and set(preempted) == {"c"}
+    assert young.stats.preemptions == b.stats.preemptions == a.stats.preemptions == 0
+    assert all(r.finished and len(r.output_ids) == r.params.max_new_tokens for r in (a, b, c, young))
+    assert memory.stats()["used_pages"] == 0 and memory.part_load == [0, 0]
+
+
+def test_partitioned_admission_checks_the_whole_prompt_in_the_partition_it_picks():
+    """A waiting request goes to the least loaded partition where its whole prompt fits beside what that
+    partition's running requests still need (not where its first chunk alone fits); when none has room it waits,
+    and the requests behind it wait too (first come, first served)."""
+    memory = MemoryManager(num_pages=16, page_size=4, num_slots=8, partitions=2)
+    sched = Scheduler(memory, 8, max_step_tokens=64, max_model_len=64)
+    for r in (make("x", 26, max_new=3), make("y", 2, max_new=20), make("z", 2, max_new=20)):
+        sched.add(r)
+    run_step(sched)
+    assert [memory.part_of(rid) for rid in ("x", "y", "z")] == [0, 1, 1]  # z: a tie, partition 1 has more free
+    sched.max_step_tokens = 7  # late's first chunk (4 tokens, one page) fits in partition 0's last page
+    sched.add(make("late", 10, max_new=2))  # its whole prompt needs 3 pages
+    assert run_step(sched)["late"] == 4 and memory.part_of("late") == 1  # not the least loaded partition 0
+    sched.max_step_tokens = 64
+    huge, tiny = make("huge", 30, max_new=2), make("tiny", 1, max_new=2)  # huge: 8 pages, a whole partition
+    sched.add(huge)
+    sched.add(tiny)
+    fed = run_step(sched)
+    assert "huge" not in fed and "tiny" not in fed  # tiny would fit, but arrived later
+    for _ in range(10):
+        fed = run_step(sched)
+        if "huge" in fed:
+            break
+    assert fed["huge"] == 30 and memory.part_of("huge") == 0 and "tiny" in fed  # x finished: partition 0 is empty

@@ -518,6 +518,10 @@ class ExpertParallelActor:
         """Bytes of routed-expert weights this rank holds."""
         return sum(m.experts.gate_up_proj.nbytes + m.experts.down_proj.nbytes for m in moe_layers(self.runner.model))
 
+    def pool_sizes(self) -> tuple[int, int]:
+        """(KV pages, GDN slots) this rank allocated, its spare page and slot not counted."""
+        return self.runner.cache.num_pages - 1, self.runner.cache.num_slots - 1
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
