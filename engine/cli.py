@@ -112,7 +112,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                      help=f"queued requests beyond which new ones get RESOURCE_EXHAUSTED (default {DEFAULT_MAX_WAITING})")
     srv.add_argument("--max-running", type=int, default=None, help="requests running at once = GDN state slots")
-    srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: sized to memory)")
+    srv.add_argument("--num-pages", type=int, default=None,
+                     help="KV pages in the pool (default: sized to memory; with --expert-parallel N the total, "
+                     "each worker holding 1/N)")
     srv.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (chunked prefill)")
     srv.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion, in tokens")
     srv.add_argument("--drain-timeout", type=float, default=30.0,

@@ -119,12 +119,13 @@ def _size(n: int) -> str:
 
 def plan_kv_pages(free: int, total: int, wanted: int, page_size: int, max_running: int, max_model_len: int,
                   target: Footprint, drafter: Footprint | None = None, drafter_slots: int = 0,
-                  device: str = "cuda") -> int:
+                  device: str = "cuda", share_of: int | None = None) -> int:
     """KV pages for a GPU with `free` of `total` bytes free before the worker starts: at most `wanted`, within what
     is left after the target's weights (one expert-parallel rank's) and its max_running + 1 GDN slots, a drafter's
     weights, slots and its own KV per page, and a reserve (max(4 GiB, 10% of the card)) for activations, logits,
     CUDA graphs and the allocator's slack. Raises ValueError when the weights do not fit, or when what is left holds
-    less than one request of max_model_len tokens."""
+    less than one request of max_model_len tokens. share_of: the engine's max_running where max_running is one
+    expert-parallel rank's share of it (the messages say so)."""
     reserve = max(4 * GIB, total // 10)
     weights = target.weight_bytes + (drafter.weight_bytes if drafter is not None else 0)
     state = (max_running + 1) * target.state_bytes_per_slot
@@ -144,8 +145,10 @@ def plan_kv_pages(free: int, total: int, wanted: int, page_size: int, max_runnin
     one_request = -(-max_model_len // page_size)
     if room < one_request * page_bytes:
         raise ValueError(
-            f"{device} has {_size(free)} free: the weights need {_size(weights)}, the GDN state of max_running "
-            f"{max_running} requests {_size(state)} and activations / CUDA graphs {_size(reserve)}, which leaves "
+            f"{device} has {_size(free)} free: the weights need {_size(weights)}, the GDN state of "
+            + (f"max_running {max_running}" if share_of is None else
+               f"{max_running} (this rank's share of max_running {share_of})")
+            + f" requests {_size(state)} and activations / CUDA graphs {_size(reserve)}, which leaves "
             f"{_size(max(room, 0))} of KV, less than one request of max_model_len {max_model_len} tokens needs "
             f"({_size(one_request * page_bytes)}): lower max_model_len or max_running, or spread the experts over "
             f"more GPUs (expert_parallel)")
@@ -228,7 +231,8 @@ class EngineCore:
             pass  # the worker names what is wrong with the drafter's checkpoint
         free, total = torch.cuda.mem_get_info(device)
         return plan_kv_pages(free, total, wanted, cfg.page_size, slots, self.max_model_len, target,
-                             drafter, drafter_slots, str(device))
+                             drafter, drafter_slots, str(device),
+                             share_of=cfg.max_running if slots != cfg.max_running else None)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int]) -> None:

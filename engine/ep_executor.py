@@ -161,16 +161,14 @@ class ExpertParallelExecutor:
             self.owner[r.request_id] = rank
             self.moves += 1
         base = rank * pages_per_rank
-        if rank == 0:
-            local_pages = r.pages
-        else:
-            local_pages = [p - base for p in r.pages]
-        if local_pages and not (0 <= min(local_pages) and max(local_pages) < pages_per_rank):
+        # (the memory keeps every page of a request in its slot's partition; the ends are checked, O(1) a step)
+        end = base + pages_per_rank
+        if r.pages and not (base <= r.pages[0] < end and base <= r.pages[-1] < end):
             raise ValueError(f"request {r.request_id!r} on rank {rank} holds pages outside the rank's range "
                              f"[{base}, {base + pages_per_rank})")
         if rank == 0:
             return 0, r
-        return rank, dataclasses.replace(r, pages=local_pages, slot=r.slot - rank * slots_per_rank)
+        return rank, dataclasses.replace(r, pages=[p - base for p in r.pages], slot=r.slot - rank * slots_per_rank)
 
     def execute(self, requests: list[StepRequest]) -> StepResult:
         self._ensure()

@@ -73,7 +73,12 @@ class _Partitioned:
         self.kind, self.partitions, self.per_part = kind, partitions, total // partitions
         self.parts = [_IdAllocator(kind, self.per_part, p * self.per_part) for p in range(partitions)]
 
-    def part(self, part: int) -> _IdAllocator:
+    def part(self, part: int | None) -> _IdAllocator:
+        """The allocator of a partition (None: the only one; with several, naming it is required)."""
+        if part is None:
+            if self.partitions == 1:
+                return self.parts[0]
+            raise ValueError(f"partition is required with {self.partitions} partitions")
         if not 0 <= part < self.partitions:
             raise ValueError(f"partition must be in [0, {self.partitions}), got {part!r}")
         return self.parts[part]
@@ -135,10 +140,10 @@ class PagePool:
         """Free pages of one partition (None: of all)."""
         return self._ids.num_free(part)
 
-    def can_allocate(self, n: int, part: int = 0) -> bool:
-        return n <= self._ids.num_free(part)
+    def can_allocate(self, n: int, part: int | None = None) -> bool:
+        return n <= len(self._ids.part(part).free_ids)
 
-    def allocate(self, n: int, part: int = 0) -> list[int]:
+    def allocate(self, n: int, part: int | None = None) -> list[int]:
         """Take n pages of one partition; raises OutOfMemory (and takes none) if fewer are free there."""
         return self._ids.part(part).allocate(n)
 
@@ -170,10 +175,10 @@ class SlotPool:
         """Free slots of one partition (None: of all)."""
         return self._ids.num_free(part)
 
-    def can_allocate(self, n: int = 1, part: int = 0) -> bool:
-        return n <= self._ids.num_free(part)
+    def can_allocate(self, n: int = 1, part: int | None = None) -> bool:
+        return n <= len(self._ids.part(part).free_ids)
 
-    def allocate(self, part: int = 0) -> int:
+    def allocate(self, part: int | None = None) -> int:
         """Take one slot of a partition; raises OutOfMemory if none is free there."""
         return self._ids.part(part).allocate(1)[0]
 
@@ -228,7 +233,7 @@ class MemoryManager:
 
     def admission_parts(self, num_tokens: int) -> list[int]:
         """The partitions a new request needing pages for num_tokens fits in now, the least loaded first (fewest
-        requests, then most free pages, then the lowest index): the order admit tries them in."""
+        requests, then most free pages, then the lowest index; admit with no partition takes the first)."""
         need = self.pages.pages_for(num_tokens)
         fits = [p for p in range(self.partitions) if self.slots.can_allocate(1, p) and self.pages.can_allocate(need, p)]
         return sorted(fits, key=lambda p: (self.part_load[p], -self.pages.num_free(p), p))
@@ -244,15 +249,21 @@ class MemoryManager:
         if request_id in self.tables:
             raise ValueError(f"request {request_id!r} is already admitted; release it first")
         num_pages = self.pages.pages_for(num_tokens)
+        asked = part
         if part is None:
             fits = self.admission_parts(num_tokens)
-            part = fits[0] if fits else 0
-        if not self.can_admit(num_tokens, part):
-            where = f" of partition {part}" if self.partitions > 1 else ""
+            part = fits[0] if fits else None
+        if part is None or not self.can_admit(num_tokens, part):
+            if asked is None and self.partitions > 1:
+                free = "no partition has them free (" + ", ".join(
+                    f"{p}: {self.slots.num_free(p)} slot(s), {self.pages.num_free(p)} page(s)"
+                    for p in range(self.partitions)) + ")"
+            else:
+                where = f" of partition {part}" if self.partitions > 1 else ""
+                free = f"{self.slots.num_free(part)} slot(s) and {self.pages.num_free(part)} page(s){where} are free"
             raise OutOfMemory(
                 f"cannot admit request {request_id!r}: it needs 1 slot and {num_pages} page(s) "
-                f"for {num_tokens} tokens, but {self.slots.num_free(part)} slot(s) and "
-                f"{self.pages.num_free(part)} page(s){where} are free"
+                f"for {num_tokens} tokens, but {free}"
             )
         table = RequestTable(pages=self.pages.allocate(num_pages, part), slot=self.slots.allocate(part),
                              num_tokens=num_tokens, part=part)

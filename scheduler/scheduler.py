@@ -45,6 +45,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    preempted_parts: set[int] = field(default_factory=set)  # memory partitions short of pages this step
 
     @property
     def num_tokens(self) -> int:
@@ -150,17 +151,23 @@ class Scheduler:
         # each time (a pool of about one long request: 5x the tokens, 100 preemptions for 6 requests)
         owed: list[int] | None = None  # per partition: pages its running requests still need to reach their whole
         # length + 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not plan.preempted:
+        # (a partition that preempted this step admits nobody: it is short of pages; the others still admit)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = min(request.num_tokens, budget)
             parts = self.memory.admission_parts(n)
+            if plan.preempted_parts:
+                parts = [p for p in parts if p not in plan.preempted_parts]
             if not parts:
                 break
             if self.running:
                 if owed is None:
-                    owed = [0] * self.memory.partitions
-                    for r in self.running:
-                        owed[self.memory.part_of(r.request_id)] += self._pages_owed(r)
+                    if self.memory.partitions == 1:
+                        owed = [sum(self._pages_owed(r) for r in self.running)]
+                    else:
+                        owed = [0] * self.memory.partitions
+                        for r in self.running:
+                            owed[self.memory.part_of(r.request_id)] += self._pages_owed(r)
                 whole = self._pages_whole(request)
                 parts = [p for p in parts if whole + owed[p] <= self.memory.free_pages(p)]
                 if not parts:
@@ -214,6 +221,7 @@ class Scheduler:
         return next(r for r in reversed(self.running) if self.memory.part_of(r.request_id) == part)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        plan.preempted_parts.add(self.memory.part_of(request.request_id))
         self.memory.release(request.request_id)
         self.running.remove(request)
         plan.chunks = [c for c in plan.chunks if c.request is not request]

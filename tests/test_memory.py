@@ -466,3 +466,17 @@ def test_partitioned_random_sequence_keeps_every_request_inside_its_partition() 
 
     run_random_sequence(MemoryManager(num_pages=48, page_size=16, num_slots=6, partitions=3), seed=1, steps=2000,
                         longest=120, check=inside)
+
+
+def test_several_partitions_need_the_partition_named_and_say_where_nothing_fits() -> None:
+    mm = MemoryManager(num_pages=8, page_size=4, num_slots=2, partitions=2)
+    with pytest.raises(ValueError, match="partition is required with 2 partitions"):
+        mm.pages.allocate(1)
+    with pytest.raises(ValueError, match="partition is required with 2 partitions"):
+        mm.slots.can_allocate()
+    mm.admit("a", 16)
+    mm.admit("b", 12)
+    with pytest.raises(OutOfMemory, match=r"no partition has them free \(0: 0 slot\(s\), 0 page\(s\), "
+                                          r"1: 0 slot\(s\), 1 page\(s\)\)"):
+        mm.admit("c", 1)
+    assert "c" not in mm and mm.part_load == [1, 1]

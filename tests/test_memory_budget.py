@@ -130,6 +130,11 @@ def test_an_expert_parallel_rank_sizes_its_own_pool_for_its_share_of_the_request
     # 9 slots' GDN state, not 5: 4 slots' bytes less room for pages
     assert core._auto_num_pages(torch.bfloat16, torch.device("cuda"), 8) == (
         1500 * page_bytes - 4 * target.state_bytes_per_slot) // page_bytes < 1500
+    # too small for one request: the message counts the rank's share, and says it is one
+    free = target.weight_bytes + 5 * target.state_bytes_per_slot + 4 * GIB + 100 * page_bytes
+    core = _engine_on_a_fake_gpu(monkeypatch, free, 16 * GIB, max_running=8, executor="ray", expert_parallel=2)
+    with pytest.raises(ValueError, match=r"the GDN state of 4 \(this rank's share of max_running 8\) requests"):
+        core._auto_num_pages(torch.bfloat16, torch.device("cuda"), 4)
 
 
 def test_an_expert_parallel_rank_counts_its_share_of_the_experts(tmp_path):

@@ -325,3 +325,22 @@ def test_partitioned_admission_checks_the_whole_prompt_in_the_partition_it_picks
         if "huge" in fed:
             break
     assert fed["huge"] == 30 and memory.part_of("huge") == 0 and "tiny" in fed  # x finished: partition 0 is empty
+
+
+def test_a_preemption_in_one_partition_does_not_hold_admission_off_in_the_others():
+    """A request short of a page in partition 0 preempts there; partition 1, with room, still admits the same step
+    (the preempted request, now in partition 1, and the one behind it). With one partition a preemption stops
+    every admission of its step, as before."""
+    memory = MemoryManager(num_pages=8, page_size=4, num_slots=4, partitions=2)
+    sched = Scheduler(memory, 4, max_step_tokens=64, max_model_len=64)
+    old, filler, young = make("old", 7, max_new=8), make("filler", 12, max_new=1), make("young", 7, max_new=8)
+    for r in (old, filler, young):
+        sched.add(r)
+    run_step(sched)  # filler takes partition 1's pages, so young joins old in partition 0; filler then finishes
+    assert filler.finished and memory.part_of("old") == memory.part_of("young") == 0 and memory.free_pages(0) == 0
+    run_step(sched)  # each feeds its 8th token: still within its 2 pages
+    sched.add(make("late", 3, max_new=2))
+    plan = sched.schedule()  # old's 9th token needs a page of partition 0: young is preempted
+    assert [r.request_id for r in plan.preempted] == ["young"] and plan.preempted_parts == {0}
+    admitted = {c.request.request_id for c in plan.chunks if c.start == 0}
+    assert admitted == {"young", "late"} and memory.part_of("young") == memory.part_of("late") == 1
