@@ -173,7 +173,10 @@ class EngineCore:
         # expert parallelism: each rank holds the KV pages and GDN slots of the requests it runs (attention/GDN run
         # data-parallel), so the pools are partitioned, one partition per rank (scheduler/memory.py)
         parts = int(config.expert_parallel) if config.executor == "ray" else 1
-        slots = -(-config.max_running // parts)  # a rank's GDN slots
+        if config.max_running < parts:  # a rank with no slot would run every step with nothing to do
+            raise ValueError(f"max_running must be at least expert_parallel ({parts}: each rank runs its own "
+                             f"requests), got {config.max_running}")
+        slots = -(-config.max_running // parts)  # a rank's GDN slots (at most max_running run at once)
         if config.num_pages is not None:  # the total over the ranks
             if config.num_pages < parts:
                 raise ValueError(f"num_pages must be at least expert_parallel ({parts}: each rank holds its own "

@@ -577,8 +577,10 @@ def _request_of(num_tokens: int):
     return Request("big", list(range(num_tokens - 1)), SamplingParams(max_new_tokens=1))
 
 
-def test_fewer_pages_than_ranks_are_refused_naming_the_option():
+def test_fewer_pages_or_running_requests_than_ranks_are_refused_naming_the_option():
     from engine import LLM
 
     with pytest.raises(ValueError, match=r"num_pages must be at least expert_parallel \(2: each rank holds its own"):
         LLM(executor="ray", expert_parallel=2, num_pages=1, **LIMITS)
+    with pytest.raises(ValueError, match=r"max_running must be at least expert_parallel \(2: each rank runs its own"):
+        LLM(executor="ray", expert_parallel=2, **{**LIMITS, "max_running": 1})
