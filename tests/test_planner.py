@@ -1938,13 +1938,14 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     cfg = _moe_config()
     from workers.policy import DRAFT_MARGIN
 
-    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput: a variant)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False)
+    # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput: a variant,
+    # the floor by padded rows: a variant)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False, False)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
               "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,) + on[8:],
-              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,)}
+              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,) + on[9:], "padfloor": on[:9] + (True,)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
@@ -1952,7 +1953,7 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
                 policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain,
-                policy.plans_at_rate) == parts, variant
+                policy.plans_at_rate, policy.pad_floor) == parts, variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW
@@ -2515,3 +2516,42 @@ def test_a_quiet_streak_ends_where_the_policy_loses_its_gate(monkeypatch):
     monkeypatch.setattr(ModelRunner, "execute", execute)
     _served_with_wrong_drafts(80, monkeypatch)  # (checks the greedy output)
     assert cut  # a streak was running when the gate went
+
+
+def test_padfloor_counts_padded_rows_and_fills_the_bucket_the_plain_floor_tips_away_from():
+    """hybridspec-padfloor: the measured cost's floor a token counts the rows a graph step pads to. On run 39's c=64
+    tables (H200, bench/NOTES.md 2026-12-07 17:59 item 3: the forward's cost table, the drafter's ms by rows, the
+    rest of the step) the plain floor raises the flat 257-384 stretch and the width search keeps 3 drafts a request;
+    counted by padded rows it fills the 384-row bucket (5 drafts), as the table's own points say it should."""
+    from scheduler.latency_model import TokenCostTable
+    from scheduler.planner import width_plan
+    from workers.policy import PAD_ROWS, LengthPolicy, SlopeFloor
+
+    table = TokenCostTable([64, 128, 192, 256, 273, 320, 384, 386, 512, 768, 1088],
+                           [12.09, 12.09, 13.70, 15.62, 17.47, 17.67, 18.04, 19.80, 20.83, 26.31, 33.44])
+    floor = 0.011665  # the latency model's ms_per_token that run
+    plain, padded = SlopeFloor(table, floor), SlopeFloor(table, floor, PAD_ROWS)
+    # inside the 384 bucket the padded floor adds nothing (the table's own points), across buckets a row's floor each
+    assert padded.cost_ms(384) == pytest.approx(18.04) and plain.cost_ms(384) == pytest.approx(17.47 + 111 * floor)
+    assert padded.cost_ms(300) == pytest.approx(table.cost_ms(300))
+    assert plain.cost_ms(300) == pytest.approx(17.47 + 27 * floor)
+    assert plain.cost_ms(300) > table.cost_ms(300) + 0.1
+    assert padded.cost_ms(257) >= 15.62 + 128 * floor - 1e-9  # 257 tokens run the 384-row graph: 128 rows more
+    np.testing.assert_allclose(padded.costs_ms(64, 600)[-1], padded.cost_ms(600))
+    draft_rows = [256, 320, 384, 448, 512, 576, 640, 1024]
+    draft_ms = [2.61, 2.69, 2.69, 2.92, 3.04, 3.54, 3.48, 5.36]
+    B, K, rest = 64, 16, 2.35
+    blocks = np.minimum(np.arange(1, K + 1) + 2, 16) + 1.0  # drafting c + DRAFT_MARGIN (+ the pending token)
+    width = [0.0] + [rest + float(np.interp(B * x, draft_rows, draft_ms)) for x in blocks]
+    survival = [[0.7 ** j for j in range(1, K + 1)] for _ in range(B)]
+    plan, c = width_plan(survival, [K] * B, plain, B, width)
+    assert c == 3 and set(plan.lengths) == {3}
+    plan, c = width_plan(survival, [K] * B, padded, B, width)
+    assert c == 5 and set(plan.lengths) == {5}
+    # the policy's variant: its measured cost carries the rows; plain hybridspec's does not
+    for variant, rows in ((None, None), ("padfloor", PAD_ROWS)):
+        policy = LengthPolicy("hybridspec", _moe_config(), max_verify_len=8)
+        if variant:
+            policy.ablate(variant)
+        policy.bucket_costs[16] = TokenCostTable([16, 64, 96], [10.0, 10.1, 10.2])
+        assert policy._slope_floor(16).rows == rows

@@ -54,7 +54,13 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "noquiet": ("quiet",), "nocap": ("cap",), "rate": ("rate",)}
+             "noquiet": ("quiet",), "nocap": ("cap",), "rate": ("rate",), "padfloor": ("padfloor",)}
+# hybridspec-padfloor (an A/B variant, off by default): the measured cost's floor a token counts the rows a graph step
+# pads to (the graphs' token buckets), not the step's tokens: inside one bucket the dense rows are paid whatever the
+# plan, and the floor there made filling the 384-row bucket at c=64 look 0.7 ms dearer than the table's own points
+# (L=3 chosen where L=5 wins on the same table: bench/NOTES.md 2026-12-07 17:59 item 3; predicted +1.5% at
+# c=64 / 0.7, not yet measured)
+PAD_ROWS = tuple(token_buckets(1 << 16)[:-1])  # the graphs' token buckets (the last one, clipped to a limit, left out)
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -144,10 +150,13 @@ class WidthChoice:
 
 @dataclass(frozen=True)
 class SlopeFloor:
-    """A token-count cost whose increments are at least `floor` ms a token (cost_ms / costs_ms as TokenCostTable)."""
+    """A token-count cost whose increments are at least `floor` ms a token (cost_ms / costs_ms as TokenCostTable);
+    with `rows` (ascending token buckets), at least `floor` ms a padded row: a step of n tokens counts the first bucket
+    >= n (n itself past the last), so the floor adds nothing inside a bucket (hybridspec-padfloor)."""
 
     table: TokenCostTable
     floor: float
+    rows: tuple[int, ...] | None = None
     # lo -> the longest costs_ms(lo, hi) computed so far: a shorter hi is its prefix, bit for bit (the table's
     # costs are pointwise and the running max goes left to right), so a plan reads a slice of what the learning
     # computed in advance (LengthPolicy.prime_step_cost) instead of building it on the step's critical path
@@ -155,13 +164,20 @@ class SlopeFloor:
 
     def costs_ms(self, lo: int, hi: int) -> np.ndarray:
         """[cost(n) for n in lo..hi]: out[i] = max over j <= i of table[j] + (i - j) floor (a running max; equal to
-        the sequential out[i] = max(out[i], out[i-1] + floor) up to the last bits of a float). A copy: the caller
-        may change it."""
+        the sequential out[i] = max(out[i], out[i-1] + floor) up to the last bits of a float); with rows, (pad(i) -
+        pad(j)) floor. A copy: the caller may change it."""
         known = self._memo.get(lo)
         if known is not None and known.shape[0] > hi - lo >= 0:
             return known[:hi - lo + 1].copy()
         out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
-        step = self.floor * np.arange(out.shape[0], dtype=np.float64)
+        if self.rows:
+            n = np.arange(lo, lo + out.shape[0])  # [hi - lo + 1]
+            buckets = np.asarray(self.rows)
+            at = np.searchsorted(buckets, n)  # the first bucket >= n
+            padded = np.where(at < len(buckets), buckets[np.minimum(at, len(buckets) - 1)], n)
+            step = self.floor * padded.astype(np.float64)
+        else:
+            step = self.floor * np.arange(out.shape[0], dtype=np.float64)
         out = np.maximum.accumulate(out - step) + step
         if len(self._memo) < SLOPE_MEMO_MAX or lo in self._memo:
             self._memo[lo] = out
@@ -295,6 +311,7 @@ class LengthPolicy:
         self.plan_rate: dict[int, list[float]] = {}
         self._rate_now: float | None = None  # the rate this step's plan was made at (its extra tokens' too)
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
+        self.pad_floor = False  # hybridspec-padfloor: the measured cost's floor by padded rows (SlopeFloor.rows)
         # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
         self.quiet_plain = True
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
@@ -334,7 +351,8 @@ class LengthPolicy:
         max_verify_len at every drafted step (no cap from its recent plans, as budget drafts; bench/NOTES.md 2026-12-06
         23:28 item 2); from the WIDTH_FROM bucket on, width_plan then prices every longest length at that drafting,
         which is what it drafts; rate (a variant, not a part off): each plan maximizes expected tokens - R x ms at
-        its recent plans' goodput R (planner.check_rate), not its step's expected tokens over its ms. (thinplain,
+        its recent plans' goodput R (planner.check_rate), not its step's expected tokens over its ms; padfloor (a
+        variant): the measured cost's floor counts the rows a graph step pads to (SlopeFloor.rows). (thinplain,
         the learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06
         02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
@@ -360,6 +378,8 @@ class LengthPolicy:
             self.quiet_plain = False
         if "rate" in parts:
             self.plans_at_rate = True
+        if "padfloor" in parts:
+            self.pad_floor = True
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -573,7 +593,7 @@ class LengthPolicy:
         cached = self._slope_floors.get(b)
         if cached is not None and cached.table is table and cached.floor == floor:
             return cached
-        self._slope_floors[b] = made = SlopeFloor(table, floor)
+        self._slope_floors[b] = made = SlopeFloor(table, floor, PAD_ROWS if self.pad_floor else None)
         return made
 
     def prime_step_cost(self, batch_size: int) -> None:
