@@ -109,8 +109,25 @@ class _Partitioned:
             self.parts[p].free(group)
 
 
+class _PartitionedPool:
+    """What PagePool and SlotPool share over their ids (`_ids`, a _Partitioned)."""
+
+    _ids: _Partitioned
+
+    def part_of(self, i: int) -> int:
+        """The partition of id i (ValueError naming the pool's range when i is not one of its ids)."""
+        return self._ids.part_of(i)
+
+    def num_free(self, part: int | None = None) -> int:
+        """Free ids of one partition (None: of all)."""
+        return self._ids.num_free(part)
+
+    def can_allocate(self, n: int = 1, part: int | None = None) -> bool:
+        return n <= len(self._ids.part(part).free_ids)
+
+
 @dataclass
-class PagePool:
+class PagePool(_PartitionedPool):
     """Pool of fixed-size KV pages with ids 0..num_pages-1, in `partitions` equal ranges (module docstring)."""
 
     num_pages: int
@@ -127,21 +144,11 @@ class PagePool:
     def pages_per_part(self) -> int:
         return self._ids.per_part
 
-    def part_of(self, page: int) -> int:
-        return self._ids.part_of(page)
-
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold num_tokens tokens of KV (0 for 0)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.page_size)
-
-    def num_free(self, part: int | None = None) -> int:
-        """Free pages of one partition (None: of all)."""
-        return self._ids.num_free(part)
-
-    def can_allocate(self, n: int, part: int | None = None) -> bool:
-        return n <= len(self._ids.part(part).free_ids)
 
     def allocate(self, n: int, part: int | None = None) -> list[int]:
         """Take n pages of one partition; raises OutOfMemory (and takes none) if fewer are free there."""
@@ -153,7 +160,7 @@ class PagePool:
 
 
 @dataclass
-class SlotPool:
+class SlotPool(_PartitionedPool):
     """Pool of per-request GDN state slots (recurrent state + conv window), ids 0..num_slots-1, in `partitions`
     equal ranges (module docstring)."""
 
@@ -167,16 +174,6 @@ class SlotPool:
     @property
     def slots_per_part(self) -> int:
         return self._ids.per_part
-
-    def part_of(self, slot: int) -> int:
-        return self._ids.part_of(slot)
-
-    def num_free(self, part: int | None = None) -> int:
-        """Free slots of one partition (None: of all)."""
-        return self._ids.num_free(part)
-
-    def can_allocate(self, n: int = 1, part: int | None = None) -> bool:
-        return n <= len(self._ids.part(part).free_ids)
 
     def allocate(self, part: int | None = None) -> int:
         """Take one slot of a partition; raises OutOfMemory if none is free there."""
@@ -224,18 +221,20 @@ class MemoryManager:
         """Free pages of a partition (None: of all)."""
         return self.pages.num_free(part)
 
+    def _fits(self, num_pages: int, part: int) -> bool:
+        return self.slots.can_allocate(1, part) and self.pages.can_allocate(num_pages, part)
+
     def can_admit(self, num_tokens: int, part: int | None = None) -> bool:
         """Whether a new request needing one slot and pages for num_tokens fits now (in that partition; None: in
         any)."""
         need = self.pages.pages_for(num_tokens)
-        parts = range(self.partitions) if part is None else (part,)
-        return any(self.slots.can_allocate(1, p) and self.pages.can_allocate(need, p) for p in parts)
+        return any(self._fits(need, p) for p in (range(self.partitions) if part is None else (part,)))
 
     def admission_parts(self, num_tokens: int) -> list[int]:
         """The partitions a new request needing pages for num_tokens fits in now, the least loaded first (fewest
         requests, then most free pages, then the lowest index; admit with no partition takes the first)."""
         need = self.pages.pages_for(num_tokens)
-        fits = [p for p in range(self.partitions) if self.slots.can_allocate(1, p) and self.pages.can_allocate(need, p)]
+        fits = [p for p in range(self.partitions) if self._fits(need, p)]
         return sorted(fits, key=lambda p: (self.part_load[p], -self.pages.num_free(p), p))
 
     def fits_ever(self, num_tokens: int) -> bool:
