@@ -1939,13 +1939,14 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import DRAFT_MARGIN
 
     # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput: a variant,
-    # the floor by padded rows: a variant)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False, False)
+    # the floor by padded rows: a variant, the profile's bucket-filling blocks: a variant)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False, False, False)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
               "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,) + on[8:],
-              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,) + on[9:], "padfloor": on[:9] + (True,)}
+              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,) + on[9:], "padfloor": on[:9] + (True, False),
+              "bucketprofile": on[:10] + (True,), "padprofile": on[:9] + (True, True)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
@@ -1953,7 +1954,7 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
                 policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain,
-                policy.plans_at_rate, policy.pad_floor) == parts, variant
+                policy.plans_at_rate, policy.pad_floor, policy.bucket_profile) == parts, variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW

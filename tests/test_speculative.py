@@ -482,6 +482,32 @@ def test_startup_profile_fits_the_latency_model_before_serving_and_stays_lossles
     assert "hybridspec_latency_model_error_mean_pct " in text and "hybridspec_drafter_confidence_ece " in text
 
 
+def test_bucketprofile_times_the_blocks_that_fill_each_token_bucket():
+    """hybridspec-bucketprofile: at every batch size it profiles, the start-up profile also times the uniform blocks
+    whose tokens fill a graph token bucket exactly (so the cost table has a measured point at the top of each bucket a
+    plan may fill); plain hybridspec's profile keeps its six lengths."""
+    from workers.graphs import token_buckets
+
+    shapes = {}
+    for policy in ("hybridspec", "hybridspec-bucketprofile"):
+        llm = with_static_graphs(LLM(spec="replay", policy="hybridspec", max_verify_len=6, replay_acceptance=0.7))
+        runner = llm.engine.executor.runner
+        if policy != "hybridspec":
+            runner.policy.ablate("bucketprofile")
+        seen = shapes[policy] = set()
+        observe_profile = runner.policy.observe_profile
+        runner.policy.observe_profile = lambda obs, counts, seen=seen, real=observe_profile: (
+            seen.add((len(obs.tokens_per_request), obs.tokens_per_request[0])), real(obs, counts))[1]
+        runner.profile(max_batch=8)
+    block = 7
+    plain = {(b, t) for b in (1, 2, 8) for t in (1, 2, 3, 5, 7)}  # {1, 2, block // 4, block // 2, 3 block // 4, block}
+    assert shapes["hybridspec"] == plain
+    buckets = set(token_buckets(8 * block))
+    fills = {(b, t) for b in (1, 2, 8) for t in range(1, block + 1) if b * t in buckets}
+    assert (8, 6) in fills and (2, 6) in fills and (8, 4) in fills and (8, 5) not in fills  # 48, 12 and 32 rows
+    assert shapes["hybridspec-bucketprofile"] == plain | fills
+
+
 def test_a_bucket_that_fails_to_capture_runs_eagerly_and_stays_eager(reference):
     """A capture can fail while serving (out of memory, a kernel that cannot be captured): that step and that
     bucket's later steps run eagerly instead of failing the requests."""

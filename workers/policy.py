@@ -54,12 +54,18 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 # hybridspec's parts that benchmarks can switch off (LengthPolicy.ablate): variant -> parts
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
-             "noquiet": ("quiet",), "nocap": ("cap",), "rate": ("rate",), "padfloor": ("padfloor",)}
+             "noquiet": ("quiet",), "nocap": ("cap",), "rate": ("rate",), "padfloor": ("padfloor",),
+             "bucketprofile": ("bucketprofile",), "padprofile": ("padfloor", "bucketprofile")}
 # hybridspec-padfloor (an A/B variant, off by default): the measured cost's floor a token counts the rows a graph step
 # pads to (the graphs' token buckets), not the step's tokens: inside one bucket the dense rows are paid whatever the
 # plan, and the floor there made filling the 384-row bucket at c=64 look 0.7 ms dearer than the table's own points
 # (L=3 chosen where L=5 wins on the same table: bench/NOTES.md 2026-12-07 17:59 item 3; predicted +1.5% at
 # c=64 / 0.7, not yet measured)
+# hybridspec-bucketprofile (an A/B variant, off by default): the start-up profile also times, at each batch size it
+# profiles, the uniform blocks that fill a graph token bucket exactly (at 64 requests 3, 6, 12 and 16 tokens a request:
+# 192, 384, 768, 1024 rows), so the cost table has a measured point at the top of every bucket a plan may fill, not
+# only what served (ragged, wide-drafting) steps left there (bench/NOTES.md 2026-12-07 17:59 item 3: at c=64 the
+# 257-384 stretch came from served steps that cost more than fixed4's uniform 320-token step); padprofile: both
 PAD_ROWS = tuple(token_buckets(1 << 16)[:-1])  # the graphs' token buckets (the last one, clipped to a limit, left out)
 
 
@@ -312,6 +318,7 @@ class LengthPolicy:
         self._rate_now: float | None = None  # the rate this step's plan was made at (its extra tokens' too)
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
         self.pad_floor = False  # hybridspec-padfloor: the measured cost's floor by padded rows (SlopeFloor.rows)
+        self.bucket_profile = False  # hybridspec-bucketprofile: the start-up profile times bucket-filling blocks
         # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
         self.quiet_plain = True
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
@@ -352,7 +359,9 @@ class LengthPolicy:
         23:28 item 2); from the WIDTH_FROM bucket on, width_plan then prices every longest length at that drafting,
         which is what it drafts; rate (a variant, not a part off): each plan maximizes expected tokens - R x ms at
         its recent plans' goodput R (planner.check_rate), not its step's expected tokens over its ms; padfloor (a
-        variant): the measured cost's floor counts the rows a graph step pads to (SlopeFloor.rows). (thinplain,
+        variant): the measured cost's floor counts the rows a graph step pads to (SlopeFloor.rows); bucketprofile (a
+        variant): the start-up profile also times the uniform blocks that fill each graph token bucket (ModelRunner.
+        profile); padprofile: padfloor and bucketprofile. (thinplain,
         the learning of plain steps thinned 8x, was measured and removed: no effect, bench/NOTES.md 2026-12-06
         02:45.)"""
         if self.name != "hybridspec" or variant not in ABLATIONS:
@@ -380,6 +389,8 @@ class LengthPolicy:
             self.plans_at_rate = True
         if "padfloor" in parts:
             self.pad_floor = True
+        if "bucketprofile" in parts:
+            self.bucket_profile = True
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent

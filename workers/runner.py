@@ -16,7 +16,7 @@ from scheduler.types import StepRequest, StepResult
 from workers.acceptance import accept
 from workers.batch import ForwardBatch
 from workers.cache import ModelCache, StepScratch
-from workers.graphs import BATCH_BUCKETS, StepGraphs
+from workers.graphs import BATCH_BUCKETS, StepGraphs, token_buckets
 from workers.config import ModelConfig
 from workers.drafters import Drafter, DraftRequest
 from workers.model import HybridModel, MoEContext
@@ -370,7 +370,11 @@ class ModelRunner:
             self.policy.routing_stats = stats
         samples = 0
         for b in sizes:
-            for t in lengths:
+            lengths_b = lengths
+            if self.policy.bucket_profile:  # hybridspec-bucketprofile: + the uniform blocks that fill a token bucket
+                buckets = set(graphs.tokens if graphs is not None else token_buckets(b * block))
+                lengths_b = sorted(set(lengths) | {t for t in range(1, block + 1) if b * t in buckets})
+            for t in lengths_b:
                 blocks = [torch.randint(0, self.model.config.vocab_size, (t,), generator=gen).tolist()
                           for _ in range(b)]
                 context = [page_size // 2] * b
