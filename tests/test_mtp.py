@@ -68,6 +68,21 @@ def test_mtp_draft_uses_the_true_token_hidden_pairs(mtp_dir):
                      hidden, ForwardBatch.build([toks], [0], [pages], [1], "cpu"), fresh)
     expected = int(torch.nn.functional.linear(m[-1], target.lm_head_weight()).argmax())
     assert proposal.tokens[0] == [expected]
+    # sampled, unseeded: a block of several drafts carries its first draft's confidence, max q (drafters.
+    # draw_independent), whatever the request's stream draws; a seeded one keeps each draw's q(d)
+    for seed in (None, 4):
+        blocks = set()
+        for g in range(6):
+            gen = torch.Generator().manual_seed(g)
+            p = drafter.propose([DraftRequest("r", prompt + [pending], len(prompt), pages, 1, 3,
+                                              SamplingParams(temperature=1.5, seed=seed), gen)])
+            q = p.probs[0]  # [3, V] the draft distributions
+            if seed is None:
+                assert p.confidence[0] == [pytest.approx(float(q[0].max()))] * 3
+                blocks.add(tuple(p.tokens[0]))
+            else:
+                assert p.confidence[0] == [pytest.approx(float(q[j, t])) for j, t in enumerate(p.tokens[0])]
+        assert seed is not None or len(blocks) > 1  # the draws differed, the confidences did not
 
 
 def test_mtp_under_memory_pressure_preempts_and_stays_lossless(mtp_dir):

@@ -156,10 +156,11 @@ def _exact_pair_distribution(model_dir: Path, prompt: list[int], temperature: fl
     return probs
 
 
-def _chi_square_p(observed: Counter, expected: torch.Tensor, n: int) -> float:
-    """Goodness of fit with cells of expected count < 5 pooled."""
+def _chi_square_p(observed: Counter, expected: torch.Tensor, n: int, keys: list | None = None) -> float:
+    """Goodness of fit with cells of expected count < 5 pooled (`keys`: the observed counts' key of each flattened
+    expected cell; default its index)."""
     exp = (expected.flatten() * n).tolist()
-    obs = [observed.get(i, 0) for i in range(len(exp))]
+    obs = [observed.get(i if keys is None else keys[i], 0) for i in range(len(exp))]
     big = [i for i, e in enumerate(exp) if e >= 5]
     chi2 = sum((obs[i] - exp[i]) ** 2 / exp[i] for i in big)
     rest_e = sum(e for i, e in enumerate(exp) if i not in set(big))
@@ -202,6 +203,129 @@ def test_sampled_first_two_tokens_follow_the_target_distribution_with_speculatio
     pairs = Counter(r.token_ids[0] * TINY_VOCAB + r.token_ids[1] for r in out)
     assert _chi_square_p(pairs, wrong, n) < 0.01
     assert math.isfinite(pvalues["off"])
+
+
+def test_a_sampled_drafts_confidence_does_not_depend_on_what_was_drawn():
+    """Speculative sampling is exact only if whether a draft is verified does not depend on that draft: an unseeded
+    sampled row's confidence is a statistic of its distribution (max q), the same whatever its generator draws, and
+    its block carries its first draft's confidence at every position (later positions' q depend on earlier draws);
+    greedy and seeded rows keep q(d) per draft (their drafts are functions of the context and the seed, and a
+    seeded request's output is its keyed draws whatever is verified)."""
+    from workers.drafters import DraftRequest, draw_independent, sample_drafts
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 2.0
+    greedy, hot, seeded = SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=7)
+    drawn, confs = set(), set()
+    for g in range(20):
+        reqs = [DraftRequest(f"r{i}", [1, 2, 3], 2, [], 0, 4, p, torch.Generator().manual_seed(g))
+                for i, p in enumerate((greedy, hot, seeded))]
+        toks, dists, conf = sample_drafts(logits, reqs)
+        drawn.add(toks[1])
+        confs.add(conf[1])
+        assert dists[0] is None and dists[1] is not None
+        assert conf[1] == pytest.approx(float(dists[1].max()))
+        assert conf[0] == pytest.approx(float(torch.softmax(logits[0], -1).max()))
+        assert conf[2] == pytest.approx(float(dists[2][toks[2]]))  # seeded: its keyed draw's q(d)
+    assert len(drawn) > 3 and len(confs) == 1  # many draws, one confidence
+    assert draw_independent([0.9, 0.2, 0.5], sampled=True) == [0.9, 0.9, 0.9]
+    assert draw_independent([0.9, 0.2, 0.5], sampled=False) == [0.9, 0.2, 0.5]
+
+
+def _exact_prefix_distribution(model_dir: Path, prompt: list[int], n: int, temperature: float) -> dict:
+    """P(t_1 .. t_n) from the model itself: {token tuple: probability}."""
+    llm = LLM(model=str(model_dir))
+    runner = llm.engine.executor.runner
+    from workers.batch import ForwardBatch
+
+    def next_probs(seq):
+        runner.cache.reset_slots([0])
+        batch = ForwardBatch.build([seq], [0], [list(range(8))], [0], "cpu")
+        logits = runner.model(batch, runner.cache, torch.tensor([len(seq) - 1]))[0]
+        return torch.softmax(logits.double() / temperature, dim=-1).tolist()
+
+    out = {(): 1.0}
+    for _ in range(n):
+        out = {pre + (t,): pr * q for pre, pr in out.items()
+               for t, q in enumerate(next_probs(prompt + list(pre)))}
+    return out
+
+
+def test_budget_with_a_sampling_draft_model_follows_the_target_distribution(tmp_path):
+    """A steep token cost makes budget verify only some drafts. When it chose them by each sampled draft's own
+    q(d), the drafts it kept were the ones the drafter liked, and the output leaned towards them (tokens 1..3 of
+    6000 unseeded samples: p = 5e-38 against the exact law). With confidences
+    that do not depend on the draws (drafters.draw_independent) the output follows the target."""
+    from scheduler.latency_model import TokenCostTable
+
+    target = _tiny_dir(tmp_path / "target", 11)
+    draft = tmp_path / "flat"  # the target with its LM head at half scale: a flatter q, the same argmax
+    model = HybridModel(ModelConfig.from_dir(target))
+    load_weights(model, target)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    draft.mkdir()
+    save_weights(model, draft)
+    for name in ("config.json", "tokenizer.json"):
+        (draft / name).write_bytes((target / name).read_bytes())
+    prompt, n = [1, 2, 3], 6000
+    exact = _exact_prefix_distribution(target, prompt, 3, 1.0)
+    llm = LLM(model=str(target), spec="draft", policy="budget", max_verify_len=3, draft_model=str(draft),
+              max_running=256)
+    torch.manual_seed(3)
+    llm.generate([prompt] * 512, SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True))  # warm-up
+    policy = llm.engine.executor.runner.policy
+    assert policy.warm()
+    steep = TokenCostTable([1, 8192], [1.0, 1.0 + 8191 * 0.006])  # ~6 us a token: drafts must earn their place
+    steep.observe = lambda *a, **k: None
+    policy.token_costs = steep
+    torch.manual_seed(11)
+    out = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
+    drafted = sum(r.stats.draft_tokens for r in out)
+    assert 0 < drafted < 3 * n  # (up to 3 drafts a request after the prefill's token: some were left out)
+    observed = Counter(tuple(r.token_ids[:3]) for r in out)
+    keys = sorted(exact)
+    p = _chi_square_p(observed, torch.tensor([[exact[k] for k in keys]]), n, keys)
+    assert p > 1e-3, p
+
+
+def test_unseeded_sampled_blocks_are_planned_without_their_draws_and_get_no_extra_token(perturbed_dir, monkeypatch):
+    """Through the engine (draft model, hybridspec, extra tokens sent wherever allowed): an unseeded sampled
+    request's block reaches the plan with one confidence for every draft and is never offered the router
+    correction's extra token (whose verification would follow the drawn draft's experts); greedy requests still
+    get extra tokens and per-draft confidences."""
+    _send_extra_tokens_everywhere(monkeypatch)
+    import workers.policy
+
+    seen = []
+    extra = workers.policy.LengthPolicy.extra_tokens
+    lengths = workers.policy.LengthPolicy.lengths
+
+    def spy_lengths(self, drafter, caps, confidences, *rest):
+        seen.append(("plan", [list(c) for c in confidences]))
+        return lengths(self, drafter, caps, confidences, *rest)
+
+    def spy_extra(self, lens, caps):
+        seen.append(("extra", list(lens), list(caps)))
+        return extra(self, lens, caps)
+    monkeypatch.setattr(workers.policy.LengthPolicy, "lengths", spy_lengths)
+    monkeypatch.setattr(workers.policy.LengthPolicy, "extra_tokens", spy_extra)
+    llm = LLM(spec="draft", policy="hybridspec", max_verify_len=4, draft_model=str(perturbed_dir))
+    prompts = ["abcabcabcabc", "The quick brown fox"]
+    params_ = [SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True),
+               SamplingParams(max_new_tokens=12, ignore_eos=True)]
+    torch.manual_seed(0)
+    out = llm.generate(prompts, params_)
+    assert all(len(r.token_ids) == 12 for r in out)
+    plans = [c for kind, c in ((e[0], e[1]) for e in seen) if kind == "plan"]
+    extras = [(e[1], e[2]) for e in seen if e[0] == "extra"]
+    both = [(c, x) for c, x in zip(plans, extras) if len(c) == 2 and c[0] and c[1]]
+    assert both, "both requests drafted in one step"
+    for confs, (lens, caps) in both:
+        assert len(set(confs[0])) == 1  # the sampled request: one confidence for its block
+        assert caps[0] == lens[0]  # no extra token on offer
+        assert caps[1] > lens[1]  # the greedy one: below its cap, an extra token on offer
+    assert any(len(set(c[1])) > 1 for c, _ in both)  # greedy drafts keep their own confidences
+    assert sum(s.accepted_tokens for s in (r.stats for r in out)) > 0
 
 
 @pytest.mark.parametrize("policy", ["budget", "hybridspec"])

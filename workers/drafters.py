@@ -43,7 +43,9 @@ class DraftRequest:
 @dataclass
 class Proposal:
     tokens: list[list[int]]  # [B][k_i]
-    confidence: list[list[float]]  # [B][k_i] the drafter's estimate that each token is accepted
+    # [B][k_i] the drafter's estimate that each token is accepted; for sampled drafts independent of what was drawn
+    # (draw_independent: the plan's lengths may depend on them)
+    confidence: list[list[float]]
     probs: list[Tensor | None] = field(default_factory=list)  # [B] of [k_i, V] draft distributions or None
 
 
@@ -53,7 +55,9 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest], step: int = 0
     of them): greedy rows take the argmax (all read back at once), sampled rows draw from the request's processed
     distribution with its own draft stream, seeded ones with the target's keyed noise at that token's sequence
     index (acceptance: the keyed path). Returns tokens, the draft distribution q of sampled rows (None for greedy:
-    a point mass), confidences."""
+    a point mass), confidences: q(d) for greedy and seeded rows (their tokens are functions of the context and the
+    seed); an unseeded sampled row's max q, a statistic of its distribution, never of the drawn token (the
+    proposer then keeps its first draft's for the whole block: draw_independent)."""
     probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
     best = probs.max(dim=-1)  # greedy token and its probability, per row
     toks, conf = best.indices.tolist(), best.values.tolist()
@@ -65,8 +69,23 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest], step: int = 0
                 toks[i] = keyed_choice(q[None], [(r.params.seed, len(r.token_ids) + step)])[0]
             else:
                 toks[i] = int(torch.multinomial(q, 1, generator=r.generator))
-            conf[i], dists[i] = float(q[toks[i]]), q
+            # (an unseeded draw's own q(d) must not reach the plan: draw_independent; a seeded one's may)
+            conf[i], dists[i] = float(q[toks[i]] if r.params.seed is not None else q.max()), q
     return toks, dists, conf
+
+
+def draw_independent(confidence: list[float], sampled: bool) -> list[float]:
+    """A block's confidences as the plan may read them. Speculative sampling is exact only if whether draft j is
+    verified does not depend on draft j itself: with a sampled draft (d_j ~ q_j), verifying it when q_j(d_j) is
+    high and not when it is low skews the output towards tokens the drafter likes (p = (0.5, 0.5), q = (0.9, 0.1),
+    verify only d = a: P(a) = 0.55). The joint plan reads every draft's confidence at once, and q_{j+1} depends on
+    d_j, so a sampled block gets its first draft's confidence (max q_1, a function of the committed context) at
+    every position: its lengths then depend on nothing this step drew for it (the calibrator's per-position maps
+    turn it into each position's acceptance). Greedy drafts are functions of the context, and a seeded request's
+    output is its keyed draws whatever is verified (acceptance.py's keyed path): theirs stay per draft."""
+    if not sampled or not confidence:
+        return confidence
+    return [confidence[0]] * len(confidence)
 
 
 class Drafter:
@@ -360,7 +379,9 @@ class DraftModelDrafter(Drafter):
                                        [len(r.token_ids) + j for r in live], live)
             for r in active:
                 self.drafted[r.request_id] = tokens[r.request_id]
-        return Proposal([tokens[r.request_id] for r in requests], [conf[r.request_id] for r in requests],
+        return Proposal([tokens[r.request_id] for r in requests],
+                        [draw_independent(conf[r.request_id], bool(probs[r.request_id]) and r.params.seed is None)
+                         for r in requests],
                         [torch.stack(probs[r.request_id]) if probs[r.request_id] else None for r in requests])
 
     def _copy_slots(self, slots: list[int], to_backup: bool) -> None:

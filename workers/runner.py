@@ -469,11 +469,20 @@ class ModelRunner:
                                       if rows and self.captures_total() == captures_before_draft else None)
             caps = [0] * len(requests)
             confs: list[list[float]] = [[] for _ in requests]
-            for i, toks, conf in zip(spec, proposal.tokens, proposal.confidence):
+            # unseeded requests whose drafts were drawn from a distribution: their output follows the target's only
+            # if what is verified does not depend on what was drawn (a seeded one's output is its keyed draws)
+            sampled = set()
+            for i, toks, conf, probs in zip(spec, proposal.tokens, proposal.confidence, proposal.probs):
                 caps[i], confs[i] = min(requests[i].draft_cap, len(toks)), conf
+                if probs is not None and requests[i].params.seed is None:
+                    sampled.add(i)
             lengths = self.policy.lengths(self.drafter.name, caps, confs, [len(r.tokens) for r in requests],
                                           [r.context_len for r in requests])
-            extra_ok = self.policy.extra_tokens(lengths, caps) if self.policy.uses_extra_token else set()
+            # the router correction verifies an extra draft or not by that draft's own experts: for such a draft that
+            # choice would depend on what was drawn, and the output would no longer follow the target's distribution
+            # (drafters.draw_independent): their blocks get no extra token
+            extra_caps = [lengths[i] if i in sampled else c for i, c in enumerate(caps)] if sampled else caps
+            extra_ok = self.policy.extra_tokens(lengths, extra_caps) if self.policy.uses_extra_token else set()
             for i, toks, probs, conf in zip(spec, proposal.tokens, proposal.probs, proposal.confidence):
                 n = lengths[i]
                 if i in extra_ok:
