@@ -288,11 +288,14 @@ def test_budget_with_a_sampling_draft_model_follows_the_target_distribution(tmp_
     assert p > 1e-3, p
 
 
-def test_unseeded_sampled_blocks_are_planned_without_their_draws_and_get_no_extra_token(perturbed_dir, monkeypatch):
-    """Through the engine (draft model, hybridspec, extra tokens sent wherever allowed): an unseeded sampled
-    request's block reaches the plan with one confidence for every draft and is never offered the router
-    correction's extra token (whose verification would follow the drawn draft's experts); greedy requests still
-    get extra tokens and per-draft confidences."""
+@pytest.mark.parametrize("spec", ["draft", "replay"])
+def test_unseeded_sampled_blocks_are_planned_without_their_draws_and_get_no_extra_token(perturbed_dir, monkeypatch,
+                                                                                        spec):
+    """Through the engine (hybridspec, extra tokens sent wherever allowed): an unseeded sampled request's block
+    reaches the plan with one confidence for every draft and is never offered the router correction's extra token
+    (whose verification would follow the drawn draft's experts); greedy requests still get extra tokens and
+    per-draft confidences. The replay drafter draws its drafts too (right or wrong): with beta confidences, which
+    follow the draw's p, a sampled request's plan reads the mean acceptance."""
     _send_extra_tokens_everywhere(monkeypatch)
     import workers.policy
 
@@ -309,10 +312,18 @@ def test_unseeded_sampled_blocks_are_planned_without_their_draws_and_get_no_extr
         return extra(self, lens, caps)
     monkeypatch.setattr(workers.policy.LengthPolicy, "lengths", spy_lengths)
     monkeypatch.setattr(workers.policy.LengthPolicy, "extra_tokens", spy_extra)
-    llm = LLM(spec="draft", policy="hybridspec", max_verify_len=4, draft_model=str(perturbed_dir))
     prompts = ["abcabcabcabc", "The quick brown fox"]
     params_ = [SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True),
                SamplingParams(max_new_tokens=12, ignore_eos=True)]
+    if spec == "draft":
+        llm = LLM(spec="draft", policy="hybridspec", max_verify_len=4, draft_model=str(perturbed_dir))
+    else:  # (a near-greedy temperature: the replay drafter proposes only while the output follows its reference)
+        params_[0] = SamplingParams(temperature=0.02, max_new_tokens=12, ignore_eos=True)
+        llm = LLM(spec="replay", policy="hybridspec", max_verify_len=4, replay_acceptance=0.7)
+        llm.engine.executor.runner.drafter.confidence = "beta"
+        reference = LLM().generate(prompts, [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 2)
+        for prompt, ref in zip(prompts, reference):
+            llm.set_replay_reference(prompt, ref.token_ids)
     torch.manual_seed(0)
     out = llm.generate(prompts, params_)
     assert all(len(r.token_ids) == 12 for r in out)
@@ -322,6 +333,7 @@ def test_unseeded_sampled_blocks_are_planned_without_their_draws_and_get_no_extr
     assert both, "both requests drafted in one step"
     for confs, (lens, caps) in both:
         assert len(set(confs[0])) == 1  # the sampled request: one confidence for its block
+        assert spec == "draft" or confs[0][0] == 0.7
         assert caps[0] == lens[0]  # no extra token on offer
         assert caps[1] > lens[1]  # the greedy one: below its cap, an extra token on offer
     assert any(len(set(c[1])) > 1 for c, _ in both)  # greedy drafts keep their own confidences

@@ -93,6 +93,9 @@ class Drafter:
     # whether propose() runs on the device and reads its drafts back before it returns (so the device has done
     # everything queued before it): the runner then times its drafting with events (ModelRunner._DraftTimer)
     reads_back = False
+    # whether its drafts are random draws even where it reports no distribution (probs None): the runner then treats
+    # an unseeded sampled request's block as it treats a sampled draft model's (draw_independent, no extra token)
+    draws_at_random = False
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         raise NotImplementedError
@@ -177,6 +180,7 @@ class ReplayDrafter(Drafter):
     COMMON_CHUNK = 1024
 
     name = "replay"
+    draws_at_random = True  # right or wrong, and the wrong token, are drawn (a greedy target's output is exact anyway)
 
     def __init__(self, acceptance: float, vocab_size: int, seed: int = 0, noise: float = 0.1,
                  cost_model: "DraftModelDrafter | None" = None, confidence: str = "noise",
@@ -315,6 +319,10 @@ class ReplayDrafter(Drafter):
                 conf.append(c)
         if self.cost_model is not None:
             self.cost_model.spend_forward(requests, tokens)
+        # an unseeded sampled request: a beta confidence follows the drawn p that decided right or wrong, so its
+        # plan reads the mean acceptance instead (draw_independent's reason)
+        conf = [[self.acceptance] * len(c) if r.params.temperature > 0 and r.params.seed is None else c
+                for r, c in zip(requests, conf)]
         return Proposal(tokens, conf, [None] * len(requests))
 
 

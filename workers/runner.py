@@ -469,12 +469,14 @@ class ModelRunner:
                                       if rows and self.captures_total() == captures_before_draft else None)
             caps = [0] * len(requests)
             confs: list[list[float]] = [[] for _ in requests]
-            # unseeded requests whose drafts were drawn from a distribution: their output follows the target's only
-            # if what is verified does not depend on what was drawn (a seeded one's output is its keyed draws)
+            # unseeded sampled requests whose drafts were drawn at random (from q, or the replay drafter's draws):
+            # their output follows the target's only if what is verified does not depend on what was drawn (a
+            # seeded one's output is its keyed draws; a greedy one's is the argmax whatever is verified)
             sampled = set()
             for i, toks, conf, probs in zip(spec, proposal.tokens, proposal.confidence, proposal.probs):
                 caps[i], confs[i] = min(requests[i].draft_cap, len(toks)), conf
-                if probs is not None and requests[i].params.seed is None:
+                if requests[i].params.seed is None and requests[i].params.temperature > 0 and (
+                        probs is not None or self.drafter.draws_at_random):
                     sampled.add(i)
             lengths = self.policy.lengths(self.drafter.name, caps, confs, [len(r.tokens) for r in requests],
                                           [r.context_len for r in requests])
