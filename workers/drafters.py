@@ -70,8 +70,15 @@ def sample_drafts(logits: Tensor, requests: list[DraftRequest], step: int = 0
             else:
                 toks[i] = int(torch.multinomial(q, 1, generator=r.generator))
             # (an unseeded draw's own q(d) must not reach the plan: draw_independent; a seeded one's may)
-            conf[i], dists[i] = float(q[toks[i]] if r.params.seed is not None else q.max()), q
+            conf[i], dists[i] = float(q.max() if unkeyed_sampling(r.params) else q[toks[i]]), q
     return toks, dists, conf
+
+
+def unkeyed_sampling(params: SamplingParams) -> bool:
+    """A sampled request without a seed: its output follows the target's distribution under speculation only if
+    what is verified does not depend on its drafts' draws (draw_independent). A greedy request's output is the
+    argmax and a seeded one's its keyed draws, whatever is verified."""
+    return params.temperature > 0 and params.seed is None
 
 
 def draw_independent(confidence: list[float], sampled: bool) -> list[float]:
@@ -321,8 +328,7 @@ class ReplayDrafter(Drafter):
             self.cost_model.spend_forward(requests, tokens)
         # an unseeded sampled request: a beta confidence follows the drawn p that decided right or wrong, so its
         # plan reads the mean acceptance instead (draw_independent's reason)
-        conf = [[self.acceptance] * len(c) if r.params.temperature > 0 and r.params.seed is None else c
-                for r, c in zip(requests, conf)]
+        conf = [[self.acceptance] * len(c) if unkeyed_sampling(r.params) else c for r, c in zip(requests, conf)]
         return Proposal(tokens, conf, [None] * len(requests))
 
 
@@ -388,8 +394,7 @@ class DraftModelDrafter(Drafter):
             for r in active:
                 self.drafted[r.request_id] = tokens[r.request_id]
         return Proposal([tokens[r.request_id] for r in requests],
-                        [draw_independent(conf[r.request_id], bool(probs[r.request_id]) and r.params.seed is None)
-                         for r in requests],
+                        [draw_independent(conf[r.request_id], unkeyed_sampling(r.params)) for r in requests],
                         [torch.stack(probs[r.request_id]) if probs[r.request_id] else None for r in requests])
 
     def _copy_slots(self, slots: list[int], to_backup: bool) -> None:

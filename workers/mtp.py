@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from workers.batch import ForwardBatch
 from workers.cache import ModelCache
 from workers.config import FULL_ATTENTION, ModelConfig
-from workers.drafters import Drafter, DraftRequest, Proposal, draw_independent, sample_drafts
+from workers.drafters import Drafter, DraftRequest, Proposal, draw_independent, sample_drafts, unkeyed_sampling
 from workers.model import DecoderLayer, HybridModel, Linear, MoEContext, RMSNorm, RotaryEmbedding
 from workers.weights import Checkpoint, load_weights
 
@@ -191,8 +191,7 @@ class MTPDrafter(Drafter):
             step += 1
             live = [r for r in live if len(tokens[r.request_id]) < r.k]
         return Proposal([tokens[r.request_id] for r in requests],
-                        [draw_independent(conf[r.request_id], bool(probs[r.request_id]) and r.params.seed is None)
-                         for r in requests],
+                        [draw_independent(conf[r.request_id], unkeyed_sampling(r.params)) for r in requests],
                         [torch.stack(probs[r.request_id]) if probs[r.request_id] else None for r in requests])
 
     def release(self, request_ids: list[str]) -> None:

@@ -60,7 +60,7 @@ ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "
 # pads to (the graphs' token buckets), not the step's tokens: inside one bucket the dense rows are paid whatever the
 # plan, and the floor there made filling the 384-row bucket at c=64 look 0.7 ms dearer than the table's own points
 # (L=3 chosen where L=5 wins on the same table: bench/NOTES.md 2026-12-07 17:59 item 3; predicted +1.5% at
-# c=64 / 0.7, not yet measured)
+# c=64 / 0.7; measured on an H200 +0.4%, inside the runs' spread, as bucketprofile's: NOTES 2026-12-07 19:53)
 # hybridspec-bucketprofile (an A/B variant, off by default): the start-up profile also times, at each batch size it
 # profiles, the uniform blocks that fill a graph token bucket exactly (at 64 requests 3, 6, 12 and 16 tokens a request:
 # 192, 384, 768, 1024 rows), so the cost table has a measured point at the top of every bucket a plan may fill, not

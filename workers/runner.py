@@ -18,7 +18,7 @@ from workers.batch import ForwardBatch
 from workers.cache import ModelCache, StepScratch
 from workers.graphs import BATCH_BUCKETS, StepGraphs, token_buckets
 from workers.config import ModelConfig
-from workers.drafters import Drafter, DraftRequest
+from workers.drafters import Drafter, DraftRequest, unkeyed_sampling
 from workers.model import HybridModel, MoEContext
 from workers.policy import EXTRA_FROM, DeviceReadback, LengthPolicy, StepObservation
 from workers.sampling import make_generator
@@ -469,14 +469,11 @@ class ModelRunner:
                                       if rows and self.captures_total() == captures_before_draft else None)
             caps = [0] * len(requests)
             confs: list[list[float]] = [[] for _ in requests]
-            # unseeded sampled requests whose drafts were drawn at random (from q, or the replay drafter's draws):
-            # their output follows the target's only if what is verified does not depend on what was drawn (a
-            # seeded one's output is its keyed draws; a greedy one's is the argmax whatever is verified)
+            # unseeded sampled requests whose drafts were drawn at random (from q, or the replay drafter's draws)
             sampled = set()
             for i, toks, conf, probs in zip(spec, proposal.tokens, proposal.confidence, proposal.probs):
                 caps[i], confs[i] = min(requests[i].draft_cap, len(toks)), conf
-                if requests[i].params.seed is None and requests[i].params.temperature > 0 and (
-                        probs is not None or self.drafter.draws_at_random):
+                if unkeyed_sampling(requests[i].params) and (probs is not None or self.drafter.draws_at_random):
                     sampled.add(i)
             lengths = self.policy.lengths(self.drafter.name, caps, confs, [len(r.tokens) for r in requests],
                                           [r.context_len for r in requests])
