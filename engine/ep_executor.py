@@ -165,7 +165,7 @@ class ExpertParallelExecutor:
         end = base + pages_per_rank
         if r.pages and not (base <= r.pages[0] < end and base <= r.pages[-1] < end):
             raise ValueError(f"request {r.request_id!r} on rank {rank} holds pages outside the rank's range "
-                             f"[{base}, {base + pages_per_rank})")
+                             f"[{base}, {end})")
         if rank == 0:
             return 0, r
         return rank, dataclasses.replace(r, pages=[p - base for p in r.pages], slot=r.slot - rank * slots_per_rank)
