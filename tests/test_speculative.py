@@ -925,12 +925,13 @@ def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running
     new = graphs._new
     calls = {"n": 0}
 
-    def short_of_memory(key):
+    def short_of_memory(key, release_cache=False):
         calls["n"] += 1
         if calls["n"] in (4, 5):  # the fourth capture here, and its first retry after one graph went back
             calls.setdefault("held", len(graphs.graphs))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
-        return new(key)
+        assert release_cache == (calls["n"] == 6)  # a retry empties the cache before its capture
+        return new(key, release_cache)
 
     graphs._new = short_of_memory
     eager_flags = record_eager_steps(llm.engine.executor.runner)
@@ -940,10 +941,60 @@ def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running
     # two graphs went back before the capture fitted: the set keeps what memory held with it
     assert calls["held"] >= 3 and graphs.max_graphs == calls["held"] - 1 and graphs.evictions >= 2
     assert len(graphs.graphs) <= calls["held"] - 1
-    # with fewer than 2 graphs held there is nothing to give back: the bucket runs eagerly, as before
+    # with no graph held there is nothing to give back: the bucket runs eagerly, as before
     graphs.graphs.clear()
     key = workers.graphs.BucketKey(1, 1, 1, 4)
     assert graphs._capture_after_oom(key, torch.OutOfMemoryError("x")) is None and key in graphs.failed
+
+
+def test_a_capture_that_fits_only_without_the_sets_pool_drops_every_graph_and_captures_in_a_new_pool(reference):
+    """On an H100 at c=16 (bench/NOTES.md 2026-12-07 22:06) the eviction loop stopped at one graph, whose private
+    pool (2.5 GiB) stayed reserved while the capture lacked 20 MiB: the bucket ran eagerly. The last graph now goes
+    too, with the pool (a new one for the capture), and the set keeps its max_graphs; a capture that does not fit an
+    empty set still runs its bucket eagerly."""
+    llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.6))
+    for prompt, ref in list(zip(PROMPTS, reference))[::2]:
+        llm.set_replay_reference(prompt, ref)
+    import workers.graphs
+
+    tokens, _ = run(llm)
+    assert tokens == reference
+    graphs = llm.engine.executor.runner.step_graphs()
+    held, limit, evictions = len(graphs.graphs), graphs.max_graphs, graphs.evictions
+    assert held >= 2
+    graphs.pool = ("a pool", 1)  # (CPU graphs capture nothing: a stand-in for the pool the set's graphs use)
+    new = graphs._new
+    seen = []
+
+    def fits_only_in_an_empty_set(key, release_cache=False):
+        seen.append((len(graphs.graphs), graphs.pool, release_cache))
+        if graphs.graphs:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
+        return new(key, release_cache)
+
+    graphs._new = fits_only_in_an_empty_set
+    key = workers.graphs.BucketKey(4, 24, 6, 4)
+    g = graphs._capture_after_oom(key, torch.OutOfMemoryError("first"))
+    assert g is not None and key not in graphs.failed
+    # one retry after each graph went back; the last with no graph left, no pool and the cache released
+    assert [n for n, _, _ in seen] == list(range(held - 1, -1, -1)) and all(r for _, _, r in seen)
+    assert seen[-1][1] is None and all(p == ("a pool", 1) for _, p, _ in seen[:-1])
+    assert graphs.evictions == evictions + held and graphs.max_graphs == limit
+    graphs.graphs[key] = g  # (run() files it) the set serves on from the new graph
+    graphs._new = new
+    graphs.failed.clear()
+    eager_flags = record_eager_steps(llm.engine.executor.runner)
+    tokens, _ = run(llm)
+    assert tokens == reference and eager_flags and not any(eager_flags)
+    # a capture that does not fit even with every graph and the pool given back: its bucket runs eagerly
+    assert len(graphs.graphs) >= 2
+
+    def never_fits(key, release_cache=False):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    graphs._new = never_fits
+    assert graphs._capture_after_oom(key, torch.OutOfMemoryError("x")) is None and key in graphs.failed
+    assert not graphs.graphs and graphs.pool is None and "out of memory (test)" in graphs.failed[key]
 
 
 def test_graph_set_keeps_the_rate_limit_for_a_working_set_larger_than_the_set():

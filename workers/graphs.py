@@ -252,7 +252,10 @@ class StepGraphs:
         return -(-(key.tokens - smallest) // min(key.max_block, PAD_BLOCK))
 
     # ------------------------------------------------------------------------------------------ capture
-    def _new(self, key: BucketKey) -> _Graph:
+    def _new(self, key: BucketKey, release_cache: bool = False) -> _Graph:
+        """Captures bucket `key` (CUDA; elsewhere its static batch only). `release_cache` (a retry after running out
+        of memory): the allocator's cache, refilled by the two warm-up forwards, goes back to the device before the
+        capture, whose private pool cannot use its blocks."""
         device = self.model.device
         r = key.requests + self._pad_requests(key)
         nb = key.tokens
@@ -300,6 +303,9 @@ class StepGraphs:
                 if commits:
                     self._commit(g)
         torch.cuda.current_stream().wait_stream(stream)
+        if release_cache:
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.empty_cache()
         g.forward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.forward, pool=self.pool):
             self._forward(g, commits)
@@ -523,31 +529,39 @@ class StepGraphs:
 
     def _capture_after_oom(self, key: BucketKey, e: BaseException) -> _Graph | None:
         """A capture ran out of memory: the least recently used graphs go back (their pool's blocks, and on CUDA
-        the allocator's unused cache) one at a time, the capture tried again after each, until it fits or one graph
-        is left; the set then keeps at most the graphs memory held (max_graphs, at least 2). Before, the bucket ran
-        eagerly for good (~10x a graphed step: bench/NOTES.md, c=16 on an H100, where one eviction was not
-        enough)."""
-        if len(self.graphs) < 2:
+        the allocator's unused cache) one at a time, the capture tried again after each (the cache emptied again
+        between its warm-up forwards and the capture), until it fits; the set then keeps at most the graphs memory
+        held (max_graphs, at least 2). The last graph goes with its pool: a private pool's segments return to the
+        device only once no graph uses it, so the one graph kept before held the whole pool (2.5 GiB on an H100 at
+        c=16 where the capture lacked 20 MiB: bench/NOTES.md 2026-12-07 22:06); the capture then starts a new pool,
+        and max_graphs stays as it was (2 would make every new bucket run eagerly between evictions). Only a set
+        with no graph gives the bucket up (it runs eagerly). Before fdee01e the bucket ran eagerly for good (~10x a
+        graphed step)."""
+        if not self.graphs:
             self._failed(key, e)
             return None
         log.warning("CUDA graph capture of %s ran out of memory with %d graphs held: dropping the least recently used "
                     "until it fits", key, len(self.graphs))
-        while len(self.graphs) > 1:
+        while self.graphs:
             self._evict()
+            if not self.graphs:
+                self.pool = None  # no graph uses it: its segments go back with the cache; the capture makes a new one
             if self.capture:
                 torch.cuda.empty_cache()
             try:
-                g = self._new(key)
+                g = self._new(key, release_cache=True)
             except torch.OutOfMemoryError as again:
                 e = again
                 continue
             except Exception as again:  # noqa: BLE001 - eager still works; remember why
                 self._failed(key, again)
                 return None
-            self.max_graphs = max(2, len(self.graphs) + 1)
-            log.warning("CUDA graph set keeps at most %d graphs from now on (memory)", self.max_graphs)
+            if self.graphs:
+                self.max_graphs = max(2, len(self.graphs) + 1)
+                log.warning("CUDA graph set keeps at most %d graphs from now on (memory)", self.max_graphs)
+            else:
+                log.warning("CUDA graph capture of %s fitted once the set's pool was given back", key)
             return g
-        self.max_graphs = 2
         self._failed(key, e)
         return None
 
