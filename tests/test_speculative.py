@@ -997,6 +997,41 @@ def test_a_capture_that_fits_only_without_the_sets_pool_drops_every_graph_and_ca
     assert not graphs.graphs and graphs.pool is None and "out of memory (test)" in graphs.failed[key]
 
 
+def test_a_capture_short_of_memory_drops_the_other_policies_graph_sets_first(reference, monkeypatch):
+    """The runner keeps a graph set per configuration (policy flags, drafter needs): after a policy swap the old
+    set's graphs hold their pool. A capture of the new set that runs out of memory drops the other sets first and
+    captures again, before giving back any graph of its own; the runner's capture count never goes down (a step
+    that captured is no measurement of a step)."""
+    import workers.graphs
+
+    llm = with_static_graphs(LLM(spec="replay", policy="fixed", max_verify_len=6, replay_acceptance=0.6))
+    for prompt, ref in list(zip(PROMPTS, reference))[::2]:
+        llm.set_replay_reference(prompt, ref)
+    runner = llm.engine.executor.runner
+    tokens, _ = run(llm)
+    assert tokens == reference
+    old = runner.step_graphs()
+    old.captures = 5  # (CPU graphs capture nothing: what a GPU's set would have counted)
+    before = runner.captures_total()
+    runner.set_policy("hybridspec", 6)  # extra token and routing statistics: another graph set
+    new = workers.graphs.StepGraphs._new
+    short = {"n": 0}
+
+    def short_while_the_old_set_lives(self, key, release_cache=False):
+        if self is not old and any(g is old for g in runner._graphs.values()):
+            short["n"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
+        return new(self, key, release_cache)
+
+    monkeypatch.setattr(workers.graphs.StepGraphs, "_new", short_while_the_old_set_lives)
+    eager_flags = record_eager_steps(runner)
+    tokens, _ = run(llm)
+    current = runner.step_graphs()
+    assert tokens == reference and short["n"] == 1 and list(runner._graphs.values()) == [current]
+    assert not current.failed and current.evictions == 0 and eager_flags and not any(eager_flags)
+    assert runner.captures_total() >= before == 5
+
+
 def test_graph_set_keeps_the_rate_limit_for_a_working_set_larger_than_the_set():
     """The eviction rule's load-change test on a bare StepGraphs state: a window whose buckets fit in the set and
     miss the least recently used graph is a change of load; a window with more buckets than the set (a working

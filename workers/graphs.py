@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -225,6 +226,9 @@ class StepGraphs:
         self.hidden_out = (torch.empty(self.tokens[-1], model.config.hidden_size, dtype=model.dtype, device=device)
                            if return_hidden else None)
         self.captures = 0
+        # called first when a capture runs out of memory: frees memory this set does not hold (the runner drops its
+        # other configurations' sets) -> whether it freed any
+        self.reclaim: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------------------------------ buckets
     def bucket(self, num_requests: int, num_tokens: int, max_block: int, max_pages: int) -> BucketKey | None:
@@ -536,7 +540,18 @@ class StepGraphs:
         c=16 where the capture lacked 20 MiB: bench/NOTES.md 2026-12-07 22:06); the capture then starts a new pool,
         and max_graphs stays as it was (2 would make every new bucket run eagerly between evictions). Only a set
         with no graph gives the bucket up (it runs eagerly). Before fdee01e the bucket ran eagerly for good (~10x a
-        graphed step)."""
+        graphed step). First of all, `reclaim` (the runner's other graph sets) frees what this set does not hold."""
+        if self.reclaim is not None and self.reclaim():  # other sets' graphs first (StepGraphs.reclaim)
+            log.warning("CUDA graph capture of %s ran out of memory: the other graph sets were dropped", key)
+            if self.capture:
+                torch.cuda.empty_cache()
+            try:
+                return self._new(key, release_cache=True)
+            except torch.OutOfMemoryError as again:
+                e = again
+            except Exception as again:  # noqa: BLE001 - eager still works; remember why
+                self._failed(key, again)
+                return None
         if not self.graphs:
             self._failed(key, e)
             return None

@@ -252,6 +252,7 @@ class ModelRunner:
         self._graph_capture = True
         self._steps = 0
         self._graphs: OrderedDict[tuple, StepGraphs] = OrderedDict()  # per (policy flags, drafter needs), LRU
+        self._dropped_captures = 0  # captures of the sets dropped so far (captures_total never goes down)
         # a step's policy.observe waits for the next step's forward launch (see DEFER_LEARNING)
         self.defer_learning = DEFER_LEARNING and self.device.type == "cuda"
         self._learning: tuple | None = None  # (policy, drafter name, observation, kept counts) not learned yet
@@ -307,7 +308,7 @@ class ModelRunner:
             return "CUDA graphs need a CUDA device"
         self.graph_config = (max_batch, max_pages_per_request)
         self._graph_capture = capture
-        self._graphs.clear()  # sets built for another configuration
+        self._drop_sets(keep=None)  # sets built for another configuration
         if warm:
             try:
                 graphs = self.step_graphs()
@@ -318,7 +319,7 @@ class ModelRunner:
                                    [False] * b, [])
             except Exception as e:  # noqa: BLE001 - eager still works; say why
                 self.graph_config = None
-                self._graphs.clear()
+                self._drop_sets(keep=None)
                 return f"capture failed: {type(e).__name__}: {e}"
         return None
 
@@ -334,18 +335,31 @@ class ModelRunner:
             self._graphs.move_to_end(flags)
         else:
             while len(self._graphs) >= MAX_GRAPH_SETS:  # e.g. a benchmark sweeping K: keep the recent sets
-                self._graphs.popitem(last=False)
-            self._graphs[flags] = StepGraphs(
+                self._dropped_captures += self._graphs.popitem(last=False)[1].captures
+            graphs = self._graphs[flags] = StepGraphs(
                 self.model, self.cache, max_block=block, spare_page=self.cache.num_pages - 1,
                 spare_slot=self.cache.num_slots - 1, page_table_width=width, max_tokens=max_batch * block,
                 return_hidden=hidden, extra_token=flags[2], collect_counts=flags[3], capture=self._graph_capture,
                 extra_from=EXTRA_FROM)
+            graphs.reclaim = lambda: self._drop_sets(keep=flags)
         return self._graphs[flags]
+
+    def _drop_sets(self, keep: tuple | None) -> bool:
+        """Drops every graph set but `keep`'s (another policy's or drafter's: a set is kept per configuration, and a
+        benchmark or a policy swap leaves earlier ones behind), their private pools with them: a set whose capture
+        runs out of memory asks for this first (StepGraphs.reclaim; on an H100 at c=16 the earlier policies' sets
+        held memory the capture lacked). -> whether one was dropped."""
+        others = [k for k in self._graphs if k != keep]
+        if others and self._graph_capture and self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the device is done with their graphs
+        for k in others:
+            self._dropped_captures += self._graphs.pop(k).captures
+        return bool(others)
 
     def captures_total(self) -> int:
         """CUDA graphs captured so far by this runner and its drafter (a step that captured is no measurement of
         a step)."""
-        n = sum(g.captures for g in self._graphs.values())
+        n = sum(g.captures for g in self._graphs.values()) + self._dropped_captures
         drafter_graphs = getattr(self.drafter, "graphs", None) or getattr(
             getattr(self.drafter, "cost_model", None), "graphs", None)
         return n + (drafter_graphs.captures if drafter_graphs is not None else 0)
