@@ -3,8 +3,10 @@ speculation, token for token (fp32); sampled output follows the same distributio
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -925,13 +927,12 @@ def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running
     new = graphs._new
     calls = {"n": 0}
 
-    def short_of_memory(key, release_cache=False):
+    def short_of_memory(key):
         calls["n"] += 1
         if calls["n"] in (4, 5):  # the fourth capture here, and its first retry after one graph went back
             calls.setdefault("held", len(graphs.graphs))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
-        assert release_cache == (calls["n"] == 6)  # a retry empties the cache before its capture
-        return new(key, release_cache)
+        return new(key)
 
     graphs._new = short_of_memory
     eager_flags = record_eager_steps(llm.engine.executor.runner)
@@ -944,7 +945,7 @@ def test_a_capture_out_of_memory_shrinks_the_set_and_captures_instead_of_running
     # with no graph held there is nothing to give back: the bucket runs eagerly, as before
     graphs.graphs.clear()
     key = workers.graphs.BucketKey(1, 1, 1, 4)
-    assert graphs._capture_after_oom(key, torch.OutOfMemoryError("x")) is None and key in graphs.failed
+    assert graphs._capture_after_oom(key, "x") is None and key in graphs.failed
 
 
 def test_a_capture_that_fits_only_without_the_sets_pool_drops_every_graph_and_captures_in_a_new_pool(reference):
@@ -964,21 +965,32 @@ def test_a_capture_that_fits_only_without_the_sets_pool_drops_every_graph_and_ca
     assert held >= 2
     graphs.pool = ("a pool", 1)  # (CPU graphs capture nothing: a stand-in for the pool the set's graphs use)
     new = graphs._new
-    seen = []
+    seen, attempts = [], []
 
-    def fits_only_in_an_empty_set(key, release_cache=False):
-        seen.append((len(graphs.graphs), graphs.pool, release_cache))
+    class Attempt:  # what a failed capture leaves in its frames (its graph, which holds a use of the pool)
+        pass
+
+    def fits_only_in_an_empty_set(key):
+        seen.append((len(graphs.graphs), graphs.pool))
+        assert all(ref() is None for ref in attempts)  # nothing of an earlier attempt lives on into a retry
         if graphs.graphs:
+            attempt = Attempt()
+            attempts.append(weakref.ref(attempt))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
-        return new(key, release_cache)
+        return new(key)
 
     graphs._new = fits_only_in_an_empty_set
     key = workers.graphs.BucketKey(4, 24, 6, 4)
-    g = graphs._capture_after_oom(key, torch.OutOfMemoryError("first"))
+    gc.disable()  # (a failed attempt must go when its error does, not at a later cyclic collection)
+    try:
+        g = graphs._capture_after_oom(key, "first")
+        assert len(attempts) == held - 1 and not any(ref() is not None for ref in attempts)  # all gone
+    finally:
+        gc.enable()
     assert g is not None and key not in graphs.failed
-    # one retry after each graph went back; the last with no graph left, no pool and the cache released
-    assert [n for n, _, _ in seen] == list(range(held - 1, -1, -1)) and all(r for _, _, r in seen)
-    assert seen[-1][1] is None and all(p == ("a pool", 1) for _, p, _ in seen[:-1])
+    # one retry after each graph went back; the last with no graph left and no pool
+    assert [n for n, _ in seen] == list(range(held - 1, -1, -1))
+    assert seen[-1][1] is None and all(p == ("a pool", 1) for _, p in seen[:-1])
     assert graphs.evictions == evictions + held and graphs.max_graphs == limit
     graphs.graphs[key] = g  # (run() files it) the set serves on from the new graph
     graphs._new = new
@@ -989,11 +1001,11 @@ def test_a_capture_that_fits_only_without_the_sets_pool_drops_every_graph_and_ca
     # a capture that does not fit even with every graph and the pool given back: its bucket runs eagerly
     assert len(graphs.graphs) >= 2
 
-    def never_fits(key, release_cache=False):
+    def never_fits(key):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
     graphs._new = never_fits
-    assert graphs._capture_after_oom(key, torch.OutOfMemoryError("x")) is None and key in graphs.failed
+    assert graphs._capture_after_oom(key, "x") is None and key in graphs.failed
     assert not graphs.graphs and graphs.pool is None and "out of memory (test)" in graphs.failed[key]
 
 
@@ -1017,11 +1029,11 @@ def test_a_capture_short_of_memory_drops_the_other_policies_graph_sets_first(ref
     new = workers.graphs.StepGraphs._new
     short = {"n": 0}
 
-    def short_while_the_old_set_lives(self, key, release_cache=False):
+    def short_while_the_old_set_lives(self, key):
         if self is not old and any(g is old for g in runner._graphs.values()):
             short["n"] += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (test)")
-        return new(self, key, release_cache)
+        return new(self, key)
 
     monkeypatch.setattr(workers.graphs.StepGraphs, "_new", short_while_the_old_set_lives)
     eager_flags = record_eager_steps(runner)

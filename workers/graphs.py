@@ -27,9 +27,11 @@ run eagerly: that path checks the padding on machines without CUDA.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
+import traceback
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,10 +258,22 @@ class StepGraphs:
         return -(-(key.tokens - smallest) // min(key.max_block, PAD_BLOCK))
 
     # ------------------------------------------------------------------------------------------ capture
-    def _new(self, key: BucketKey, release_cache: bool = False) -> _Graph:
-        """Captures bucket `key` (CUDA; elsewhere its static batch only). `release_cache` (a retry after running out
-        of memory): the allocator's cache, refilled by the two warm-up forwards, goes back to the device before the
-        capture, whose private pool cannot use its blocks."""
+    def _try_new(self, key: BucketKey) -> "_Graph | str":
+        """_new, or the message of its out-of-memory error. The error's traceback holds the failed attempt's frames:
+        its graph (a capture that failed still holds a use of the set's pool, whose segments go back to the device
+        only once nothing uses it) and its tensors. They are cleared here, and the retries run outside any except
+        block (a retry's error chained to the earlier ones and kept every attempt alive until a cyclic GC)."""
+        try:
+            return self._new(key)
+        except torch.OutOfMemoryError as e:
+            message = f"{type(e).__name__}: {e}"
+            traceback.clear_frames(e.__traceback__)  # (this frame is running: skipped; _new's and below cleared)
+            e.__traceback__ = e.__context__ = e.__cause__ = None
+            return message
+
+    def _new(self, key: BucketKey) -> _Graph:
+        """Captures bucket `key` (CUDA; elsewhere its static batch only). (torch.cuda.graph synchronizes and empties
+        the allocator's cache before the capture begins: the warm-up forwards' blocks go back first.)"""
         device = self.model.device
         r = key.requests + self._pad_requests(key)
         nb = key.tokens
@@ -307,9 +321,6 @@ class StepGraphs:
                 if commits:
                     self._commit(g)
         torch.cuda.current_stream().wait_stream(stream)
-        if release_cache:
-            torch.cuda.current_stream().synchronize()
-            torch.cuda.empty_cache()
         g.forward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.forward, pool=self.pool):
             self._forward(g, commits)
@@ -387,14 +398,14 @@ class StepGraphs:
                 while len(self.graphs) >= self.max_graphs:
                     self._evict()
             try:
-                g = self._new(key)
-            except torch.OutOfMemoryError as e:
-                g = self._capture_after_oom(key, e)
-                if g is None:
-                    return None
+                g = self._try_new(key)
             except Exception as e:  # noqa: BLE001 - eager still works; remember why
                 self._failed(key, e)
                 return None
+            if isinstance(g, str):  # out of memory (outside the except: nothing of the attempt is kept alive)
+                g = self._capture_after_oom(key, g)
+                if g is None:
+                    return None
             self.graphs[key] = g
         lens, pad_lens = self._stage(g, key, blocks, context_lens, page_rows, slots, write, extra_rows)
         bt, b, r, n = g.batch, len(blocks), g.layout.r, sum(lens)
@@ -527,33 +538,29 @@ class StepGraphs:
         lru = next(iter(self.graphs))
         return lru not in self._recent_count and len(self._recent_count) <= self.max_graphs
 
-    def _failed(self, key: BucketKey, e: BaseException) -> None:
-        self.failed[key] = f"{type(e).__name__}: {e}"
+    def _failed(self, key: BucketKey, e: BaseException | str) -> None:
+        self.failed[key] = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
         log.warning("CUDA graph capture of %s failed, its steps run eagerly: %s", key, self.failed[key])
 
-    def _capture_after_oom(self, key: BucketKey, e: BaseException) -> _Graph | None:
-        """A capture ran out of memory: the least recently used graphs go back (their pool's blocks, and on CUDA
-        the allocator's unused cache) one at a time, the capture tried again after each (the cache emptied again
-        between its warm-up forwards and the capture), until it fits; the set then keeps at most the graphs memory
-        held (max_graphs, at least 2). The last graph goes with its pool: a private pool's segments return to the
-        device only once no graph uses it, so the one graph kept before held the whole pool (2.5 GiB on an H100 at
-        c=16 where the capture lacked 20 MiB: bench/NOTES.md 2026-12-07 22:06); the capture then starts a new pool,
-        and max_graphs stays as it was (2 would make every new bucket run eagerly between evictions). Only a set
-        with no graph gives the bucket up (it runs eagerly). Before fdee01e the bucket ran eagerly for good (~10x a
-        graphed step). First of all, `reclaim` (the runner's other graph sets) frees what this set does not hold."""
+    def _capture_after_oom(self, key: BucketKey, reason: str) -> _Graph | None:
+        """A capture ran out of memory (`reason`: its message). First `reclaim` (the runner's other graph sets) frees
+        what this set does not hold, and the capture is tried again; then the least recently used graphs go back
+        (their pool's blocks, and on CUDA the allocator's unused cache) one at a time, the capture tried again after
+        each, until it fits; the set then keeps at most the graphs memory held (max_graphs, at least 2). The last
+        graph goes with its pool: a private pool's segments return to the device only once no graph uses it, so the
+        one graph kept before held the whole pool (2.5 GiB on an H100 at c=16 where the capture lacked 20 MiB:
+        bench/NOTES.md 2026-12-07 22:06); the capture then starts a new pool, and max_graphs stays as it was (2 would
+        make every new bucket run eagerly between evictions). Only a set with no graph left gives the bucket up (it
+        runs eagerly). Each failed attempt is dropped whole (_try_new). Before fdee01e the bucket ran eagerly for good
+        (~10x a graphed step)."""
         if self.reclaim is not None and self.reclaim():  # other sets' graphs first (StepGraphs.reclaim)
             log.warning("CUDA graph capture of %s ran out of memory: the other graph sets were dropped", key)
-            if self.capture:
-                torch.cuda.empty_cache()
-            try:
-                return self._new(key, release_cache=True)
-            except torch.OutOfMemoryError as again:
-                e = again
-            except Exception as again:  # noqa: BLE001 - eager still works; remember why
-                self._failed(key, again)
-                return None
+            g = self._retry(key)
+            if not isinstance(g, str):
+                return g
+            reason = g
         if not self.graphs:
-            self._failed(key, e)
+            self._failed(key, reason)
             return None
         log.warning("CUDA graph capture of %s ran out of memory with %d graphs held: dropping the least recently used "
                     "until it fits", key, len(self.graphs))
@@ -561,15 +568,11 @@ class StepGraphs:
             self._evict()
             if not self.graphs:
                 self.pool = None  # no graph uses it: its segments go back with the cache; the capture makes a new one
-            if self.capture:
-                torch.cuda.empty_cache()
-            try:
-                g = self._new(key, release_cache=True)
-            except torch.OutOfMemoryError as again:
-                e = again
+            g = self._retry(key)
+            if isinstance(g, str):
+                reason = g
                 continue
-            except Exception as again:  # noqa: BLE001 - eager still works; remember why
-                self._failed(key, again)
+            if g is None:
                 return None
             if self.graphs:
                 self.max_graphs = max(2, len(self.graphs) + 1)
@@ -577,8 +580,20 @@ class StepGraphs:
             else:
                 log.warning("CUDA graph capture of %s fitted once the set's pool was given back", key)
             return g
-        self._failed(key, e)
+        self._failed(key, reason)
         return None
+
+    def _retry(self, key: BucketKey) -> "_Graph | str | None":
+        """One more capture after memory was given back: the graph, the out-of-memory message, or None (another
+        error: the bucket is given up)."""
+        if self.capture:
+            gc.collect()  # (anything of the earlier attempts a cycle still holds; a rare path)
+            torch.cuda.empty_cache()
+        try:
+            return self._try_new(key)
+        except Exception as e:  # noqa: BLE001 - eager still works; remember why
+            self._failed(key, e)
+            return None
 
     def _evict(self) -> None:
         """Drops the least recently used graph (a long-running server meets more buckets than it keeps: batch x
