@@ -1939,16 +1939,14 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
     from workers.policy import DRAFT_MARGIN
 
     # (extra, counts, gate, width, plain, extra gate, margin, quiet plain streaks, plans at their goodput: a variant,
-    # the floor by padded rows: a variant, the profile's bucket-filling blocks: a variant, the cost by padded rows: a
-    # variant)
-    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False, False, False, False)
+    # the floor by padded rows: a variant, the profile's bucket-filling blocks: a variant)
+    on = (True, True, True, True, False, True, DRAFT_MARGIN, True, False, False, False)
     expect = {"noextra": (False,) + on[1:], "nocounts": on[:1] + (False,) + on[2:], "lean": (False, False) + on[2:],
               "nogate": on[:2] + (False,) + on[3:], "nowidth": on[:3] + (False,) + on[4:],
               "plain": on[:4] + (True,) + on[5:], "ungatedextra": on[:5] + (False,) + on[6:],
               "margin1": on[:6] + (1,) + on[7:], "noquiet": on[:7] + (False,) + on[8:],
-              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,) + on[9:], "padfloor": on[:9] + (True, False, False),
-              "bucketprofile": on[:10] + (True, False), "padprofile": on[:9] + (True, True, False),
-              "padcost": on[:11] + (True,)}
+              "nocap": on[:6] + (16,) + on[7:], "rate": on[:8] + (True,) + on[9:], "padfloor": on[:9] + (True, False),
+              "bucketprofile": on[:10] + (True,), "padprofile": on[:9] + (True, True)}
     assert set(expect) == set(ABLATIONS)
     for variant, parts in expect.items():
         policy = LengthPolicy("hybridspec", cfg)
@@ -1956,7 +1954,7 @@ def test_hybridspec_ablations_switch_off_their_part_and_nothing_else():
         assert (policy.uses_extra_token, policy.collects_routing, policy.gate is not None,
                 policy.plans_width, policy.gate is not None and policy.gate.force_plain,
                 policy.extra_gate is not None, policy.draft_margin, policy.quiet_plain,
-                policy.plans_at_rate, policy.pad_floor, policy.bucket_profile, policy.pad_cost) == parts, variant
+                policy.plans_at_rate, policy.pad_floor, policy.bucket_profile) == parts, variant
     from collections import deque
 
     from workers.policy import DRAFT_WINDOW
@@ -2558,44 +2556,3 @@ def test_padfloor_counts_padded_rows_and_fills_the_bucket_the_plain_floor_tips_a
             policy.ablate(variant)
         policy.bucket_costs[16] = TokenCostTable([16, 64, 96], [10.0, 10.1, 10.2])
         assert policy._slope_floor(16).rows == rows
-
-
-def test_padcost_prices_a_step_by_the_rows_its_graph_runs_and_keeps_plans_under_a_buckets_top():
-    """hybridspec-padcost: the measured cost kept and read by padded rows. At c=4 the start-up profile measures 48 and
-    68 tokens (blocks 12 and 17: the 48- and 96-row graph buckets); a line between them priced 64 tokens near 68's
-    cost, and the plan verified 16 drafts a request (68 tokens, the 96-row bucket) where 15 (64 tokens, the 64-row
-    bucket) pay more (H100, 3f8805f: 66-token steps at 13.8 ms against budget's 64-token steps at 12.8; bench/NOTES.md
-    2026-12-07 22:06). Keyed by padded rows, 64 tokens cost what the 64-row bucket does between its neighbours, and
-    65-68 what the 96-row bucket costs (the floor counts padded rows, as padfloor's)."""
-    from scheduler.latency_model import LatencyCoefs
-    from workers.policy import PAD_ROWS, LengthPolicy, SlopeFloor, StepObservation, padded_rows
-
-    assert [padded_rows(n) for n in (1, 5, 17, 48, 49, 64, 65, 96)] == [1, 6, 24, 48, 64, 64, 96, 96]
-    assert padded_rows(PAD_ROWS[-1] + 5) == PAD_ROWS[-1] + 5  # past the buckets: itself
-    true_ms = {4: 9.0, 8: 9.3, 16: 9.8, 32: 11.0, 48: 12.3, 64: 12.8, 96: 13.9}  # by padded rows (graph bucket)
-    survival = [[0.95 ** (j + 1) for j in range(16)] for _ in range(4)]
-    chosen = {}
-    for variant in (None, "padcost"):
-        policy = LengthPolicy("hybridspec", _moe_config(), max_verify_len=16)
-        if variant:
-            policy.ablate(variant)
-        policy.latency.coefs = LatencyCoefs(const_ms=8.0, ms_per_token=0.02)
-        for t in (1, 2, 4, 8, 12, 17):  # the profile's blocks at 4 requests
-            n = 4 * t
-            policy.observe_profile(StepObservation([t] * 4, [50] * 4, true_ms[padded_rows(n)], None), None)
-        table = policy.cost_table(4)
-        assert table.tokens == ([4, 8, 16, 32, 48, 96] if variant else [4, 8, 16, 32, 48, 68])
-        cost = policy.step_cost([1] * 4, [50] * 4, 68)
-        assert isinstance(cost, SlopeFloor) and cost.padded == (variant == "padcost")
-        if variant:
-            assert cost.cost_ms(64) == pytest.approx(12.3 + 16 / 48 * 1.6)  # between the 48- and 96-row buckets
-            assert cost.cost_ms(65) == pytest.approx(13.9) and cost.cost_ms(68) == pytest.approx(13.9)  # one bucket
-            assert cost.rows == PAD_ROWS
-        else:
-            assert cost.cost_ms(64) == pytest.approx(12.3 + 16 / 20 * 1.6)  # the line from 48 to 68
-        chosen[variant] = sum(policy._plan_hybridspec(survival, [16] * 4, [1] * 4, [50] * 4))
-        # a served step is kept at the rows it ran: 66 tokens at the 96-row point (its bucket), not at 66
-        policy.observe(None, StepObservation([16, 16, 17, 17], [50] * 4, 13.9, None), None)
-        assert (96 if variant else 66) in policy.bucket_costs[4].tokens
-    # the true ratios: 15 drafts each (64 tokens) 44.79 / 12.8 = 3.50 tokens a ms; 16 each (68) 46.55 / 13.9 = 3.35
-    assert chosen == {None: 64, "padcost": 60}

@@ -18,7 +18,6 @@ seen enough steps it explores with `fixed` lengths (an online start-up profile).
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 from collections import deque
@@ -56,8 +55,7 @@ POLICIES = ("ar", "fixed", "budget", "hybridspec")
 ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "counts"), "nogate": ("gate",),
              "nowidth": ("width",), "plain": ("plain",), "ungatedextra": ("extragate",), "margin1": ("margin",),
              "noquiet": ("quiet",), "nocap": ("cap",), "rate": ("rate",), "padfloor": ("padfloor",),
-             "bucketprofile": ("bucketprofile",), "padprofile": ("padfloor", "bucketprofile"),
-             "padcost": ("padcost",)}
+             "bucketprofile": ("bucketprofile",), "padprofile": ("padfloor", "bucketprofile")}
 # hybridspec-padfloor (an A/B variant, off by default): the measured cost's floor a token counts the rows a graph step
 # pads to (the graphs' token buckets), not the step's tokens: inside one bucket the dense rows are paid whatever the
 # plan, and the floor there made filling the 384-row bucket at c=64 look 0.7 ms dearer than the table's own points
@@ -68,20 +66,7 @@ ABLATIONS = {"noextra": ("extra",), "nocounts": ("counts",), "lean": ("extra", "
 # 192, 384, 768, 1024 rows), so the cost table has a measured point at the top of every bucket a plan may fill, not
 # only what served (ragged, wide-drafting) steps left there (bench/NOTES.md 2026-12-07 17:59 item 3: at c=64 the
 # 257-384 stretch came from served steps that cost more than fixed4's uniform 320-token step); padprofile: both
-# hybridspec-padcost (an A/B variant, off by default): the measured cost is kept and read by the rows a graph step
-# pads to: a step of n tokens costs what its token bucket costs (the floor counts padded rows, as padfloor's), not a
-# line between the measured points around n. A line across a bucket's top prices the first tokens past it at a fraction of the jump:
-# at c=4 the start-up profile measures 48 and 68 tokens (blocks 12 and 17), so 64 looked nearly as dear as 68 and
-# 66 barely dearer than 64, and hybridspec verified 66-token steps (the 96-row bucket, block 17: 13.8 ms) where
-# budget's 64-token steps cost 12.8 ms (H100, 3f8805f: 3.96x against budget's 4.22x ar at c=4 / 0.95; at c=1 / 0.95
-# 17-token blocks, the 24-row bucket, 3.42x against 3.50x). Not measured end to end yet.
 PAD_ROWS = tuple(token_buckets(1 << 16)[:-1])  # the graphs' token buckets (the last one, clipped to a limit, left out)
-
-
-def padded_rows(n: int) -> int:
-    """The rows a graph step of n tokens runs: the first of the graphs' token buckets >= n (n itself past them)."""
-    i = bisect.bisect_left(PAD_ROWS, n)
-    return PAD_ROWS[i] if i < len(PAD_ROWS) else n
 
 
 WARMUP_STEPS = 8  # steps of `fixed` exploration before the learned policies take over
@@ -173,13 +158,11 @@ class WidthChoice:
 class SlopeFloor:
     """A token-count cost whose increments are at least `floor` ms a token (cost_ms / costs_ms as TokenCostTable);
     with `rows` (ascending token buckets), at least `floor` ms a padded row: a step of n tokens counts the first bucket
-    >= n (n itself past the last), so the floor adds nothing inside a bucket (hybridspec-padfloor). `padded`: the
-    table is keyed by padded rows and read at padded_rows(n) (hybridspec-padcost, with `rows`)."""
+    >= n (n itself past the last), so the floor adds nothing inside a bucket (hybridspec-padfloor)."""
 
     table: TokenCostTable
     floor: float
     rows: tuple[int, ...] | None = None
-    padded: bool = False
     # lo -> the longest costs_ms(lo, hi) computed so far: a shorter hi is its prefix, bit for bit (the table's
     # costs are pointwise and the running max goes left to right), so a plan reads a slice of what the learning
     # computed in advance (LengthPolicy.prime_step_cost) instead of building it on the step's critical path
@@ -192,11 +175,7 @@ class SlopeFloor:
         known = self._memo.get(lo)
         if known is not None and known.shape[0] > hi - lo >= 0:
             return known[:hi - lo + 1].copy()
-        if self.padded and hi >= lo:  # the table at each n's padded rows (non-decreasing in n)
-            pad = np.array([padded_rows(n) for n in range(lo, hi + 1)], dtype=np.intp)  # [hi - lo + 1]
-            out = np.asarray(self.table.costs_ms(int(pad[0]), int(pad[-1])), dtype=np.float64)[pad - pad[0]]
-        else:
-            out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
+        out = np.asarray(self.table.costs_ms(lo, hi), dtype=np.float64)
         if self.rows:
             n = np.arange(lo, lo + out.shape[0])  # [hi - lo + 1]
             buckets = np.asarray(self.rows)
@@ -340,7 +319,6 @@ class LengthPolicy:
         self.draft_margin = DRAFT_MARGIN  # hybridspec: drafts beyond its recent plans' longest (draft_cap)
         self.pad_floor = False  # hybridspec-padfloor: the measured cost's floor by padded rows (SlopeFloor.rows)
         self.bucket_profile = False  # hybridspec-bucketprofile: the start-up profile times bucket-filling blocks
-        self.pad_cost = False  # hybridspec-padcost: the measured cost kept and read by padded rows (SlopeFloor.padded)
         # hybridspec: the runner's quiet plain streaks (quiet_streak); the noquiet ablation asks the gate every step
         self.quiet_plain = True
         self._draft_now: float | None = None  # this step's drafting ms (observe_draft)
@@ -413,8 +391,6 @@ class LengthPolicy:
             self.pad_floor = True
         if "bucketprofile" in parts:
             self.bucket_profile = True
-        if "padcost" in parts:
-            self.pad_cost = True
 
     def draft_cap(self, batch_size: int) -> int | None:
         """hybridspec: drafts per request worth drafting at this batch size (the longest length of its recent
@@ -628,9 +604,7 @@ class LengthPolicy:
         cached = self._slope_floors.get(b)
         if cached is not None and cached.table is table and cached.floor == floor:
             return cached
-        # (padcost: its points are buckets' rows, so its floor counts padded rows too, as padfloor's does)
-        self._slope_floors[b] = made = SlopeFloor(table, floor, PAD_ROWS if self.pad_floor or self.pad_cost else None,
-                                                  padded=self.pad_cost)
+        self._slope_floors[b] = made = SlopeFloor(table, floor, PAD_ROWS if self.pad_floor else None)
         return made
 
     def prime_step_cost(self, batch_size: int) -> None:
@@ -934,8 +908,6 @@ class LengthPolicy:
             self.token_costs.observe(comp.num_tokens, obs.forward_ms)
             if self.name == "hybridspec":  # its measured cost per batch-size bucket (step_cost)
                 b, n = SpeculationGate.bucket(comp.num_requests), comp.num_tokens
-                if self.pad_cost:  # hybridspec-padcost: every point at the rows its step ran (padded_rows)
-                    n = padded_rows(n)
                 if not anchor and self.profile_costs.get(b) and self.profile_costs[b].tokens:
                     ratio = obs.forward_ms / max(self.profile_costs[b].cost_ms(n), 1e-9)
                     old = self.profile_scale.get(b)
