@@ -2556,3 +2556,25 @@ def test_padfloor_counts_padded_rows_and_fills_the_bucket_the_plain_floor_tips_a
             policy.ablate(variant)
         policy.bucket_costs[16] = TokenCostTable([16, 64, 96], [10.0, 10.1, 10.2])
         assert policy._slope_floor(16).rows == rows
+
+
+def test_a_profile_point_at_a_buckets_top_keeps_the_plan_off_the_next_graph():
+    """At 4 requests the start-up profile measures 4 x {1, 2, 4, 8, 12, 17} tokens: a line from 48 to 68 tokens
+    prices 64 (the 64-row graph, 16-token block) nearly as dear as 68 (the 68-row graph, 17-token block), and the
+    plan verifies 16 drafts a request where 15 pay more (H100, 3f8805f: hybridspec's 66-token steps at 13.8 ms,
+    budget's 64-token steps at 12.8; bench/NOTES.md 2026-12-07 22:06 item 8). With the point at 64 that
+    hybridspec-bucketprofile's profile adds (the blocks that fill a token bucket), the plan stays at 64 tokens."""
+    from scheduler.latency_model import LatencyCoefs
+    from workers.policy import LengthPolicy, StepObservation
+
+    ms = {4: 9.0, 8: 9.3, 16: 9.8, 32: 11.0, 48: 12.3, 64: 12.8, 68: 13.9}  # by tokens at 4 requests
+    survival = [[0.95 ** (j + 1) for j in range(16)] for _ in range(4)]
+    chosen = {}
+    for blocks in ((1, 2, 4, 8, 12, 17), (1, 2, 4, 8, 12, 16, 17)):  # the profile's, and bucketprofile's
+        policy = LengthPolicy("hybridspec", _moe_config(), max_verify_len=16)
+        policy.latency.coefs = LatencyCoefs(const_ms=8.0, ms_per_token=0.02)
+        for t in blocks:
+            policy.observe_profile(StepObservation([t] * 4, [50] * 4, ms[4 * t], None), None)
+        chosen[16 in blocks] = sum(policy._plan_hybridspec(survival, [16] * 4, [1] * 4, [50] * 4))
+    # the ratios on these costs: 15 drafts each (64 tokens) 44.79 / 12.8 = 3.50 tokens a ms, 16 each 46.55 / 13.9 = 3.35
+    assert chosen == {False: 64, True: 60}
