@@ -591,7 +591,7 @@ def main() -> None:
                       f"{row['greedy_match']:.2f}", flush=True)
     meta["wall_s"] = time.perf_counter() - t_start
     if use_graphs and device == "cuda":
-        meta["graphs_captured"] = sum(g.captures for g in runner._graphs.values()) + runner._dropped_captures
+        meta["graphs_captured"] = runner.graph_captures()
     dump(args.out, meta, rows)
     print("\n| policy | conc | replay acc | decode tok/s | x ar | step ms | tpot p50/p99 ms | mean acc len | match |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -335,7 +335,7 @@ class ModelRunner:
             self._graphs.move_to_end(flags)
         else:
             while len(self._graphs) >= MAX_GRAPH_SETS:  # e.g. a benchmark sweeping K: keep the recent sets
-                self._dropped_captures += self._graphs.popitem(last=False)[1].captures
+                self._drop_set(next(iter(self._graphs)))
             graphs = self._graphs[flags] = StepGraphs(
                 self.model, self.cache, max_block=block, spare_page=self.cache.num_pages - 1,
                 spare_slot=self.cache.num_slots - 1, page_table_width=width, max_tokens=max_batch * block,
@@ -353,13 +353,20 @@ class ModelRunner:
         if others and self._graph_capture and self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the device is done with their graphs
         for k in others:
-            self._dropped_captures += self._graphs.pop(k).captures
+            self._drop_set(k)
         return bool(others)
+
+    def _drop_set(self, key: tuple) -> None:
+        self._dropped_captures += self._graphs.pop(key).captures  # (its captures still count: graph_captures)
+
+    def graph_captures(self) -> int:
+        """The target's step graphs captured so far, the dropped sets' included (never goes down)."""
+        return sum(g.captures for g in self._graphs.values()) + self._dropped_captures
 
     def captures_total(self) -> int:
         """CUDA graphs captured so far by this runner and its drafter (a step that captured is no measurement of
         a step)."""
-        n = sum(g.captures for g in self._graphs.values()) + self._dropped_captures
+        n = self.graph_captures()
         drafter_graphs = getattr(self.drafter, "graphs", None) or getattr(
             getattr(self.drafter, "cost_model", None), "graphs", None)
         return n + (drafter_graphs.captures if drafter_graphs is not None else 0)
