@@ -42,6 +42,10 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 50051
 # text prompts longer than this (characters) are tokenized in a worker thread, with the GIL released: a long one
 # would otherwise stall every stream (~0.2 s for 120k tokens); a shorter one costs less than the thread hop
 INLINE_TOKENIZE_CHARS = 16384
+# the largest request message the server reads (gRPC's own default is 4 MiB): a longer prompt than the model can
+# hold is bad input, refused by validation as INVALID_ARGUMENT naming the field and its limit (a text's length is
+# checked before it is tokenized); only past this size does gRPC itself answer RESOURCE_EXHAUSTED
+MAX_REQUEST_BYTES = 256 << 20
 
 
 @dataclass
@@ -199,7 +203,8 @@ class Server:
         """Binds, starts serving and returns the gRPC port."""
         opts = self.options
         self.engine.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                          ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
         add_generation_service(GenerationService(self.engine), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if opts.reflection:

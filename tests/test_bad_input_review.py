@@ -515,6 +515,28 @@ def test_grpc_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
     run(main())
 
 
+def test_grpc_request_larger_than_grpcs_default_message_limit_is_bad_input_not_overload(llm):
+    """A prompt message past gRPC's 4 MiB default came back RESOURCE_EXHAUSTED ("Received message larger than
+    max"), which a client reads as overload, retry later: it is a prompt longer than the model can hold, bad input
+    named by its field like any other; the server goes on serving."""
+
+    async def main() -> None:
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        async with serving(llm.engine) as (server, target), \
+                grpc.aio.insecure_channel(target, options=options) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            code, details = await _status(stub, _req("a" * (5 << 20), max_new_tokens=1))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
+            assert details.startswith("prompt must be shorter than"), details[:200]
+            code, details = await _status(stub, _req([5] * (1 << 20), max_new_tokens=1))  # ~5 MB of ids
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
+            assert details.startswith("prompt_token_ids ") and f"got {1 << 20} tokens" in details, details[:200]
+            ok = [m async for m in stub.Generate(_req("hi", max_new_tokens=2, ignore_eos=True), timeout=30)]
+            assert ok[-1].usage.completion_tokens == 2
+
+    run(main())
+
+
 def test_tokenizer_encode_released_equals_encode(llm):
     tokenizer = llm.engine.tokenizer
     for text in ("", "hi", "<|endoftext|> and more", "ünïcödé " * 50):
