@@ -19,7 +19,7 @@ from types import TracebackType
 
 import grpc
 
-from proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from proto.standard import health_pb2, health_pb2_grpc
 from proto.hybridspec.v1 import generation_pb2 as pb
 from proto.hybridspec.v1 import generation_pb2_grpc
 

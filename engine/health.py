@@ -1,4 +1,4 @@
-"""The standard gRPC health service (grpc.health.v1.Health), from our own generated stubs."""
+"""The standard gRPC health service (grpc.health.v1.Health; proto.standard's stubs)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from proto.grpc.health.v1 import health_pb2 as pb
-from proto.grpc.health.v1 import health_pb2_grpc
+from proto.standard import health_pb2 as pb
+from proto.standard import health_pb2_grpc
 
 SERVING = pb.HealthCheckResponse.SERVING
 NOT_SERVING = pb.HealthCheckResponse.NOT_SERVING

@@ -1,4 +1,4 @@
-"""Standard gRPC server reflection (grpc.reflection.v1 and v1alpha), from our own generated stubs, so tools
+"""Standard gRPC server reflection (grpc.reflection.v1 and v1alpha; proto.standard's stubs), so tools
 like grpcurl can list and call the services without the .proto files."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import FileDescriptor
 
-from proto.grpc.reflection.v1 import reflection_pb2 as v1_pb2
-from proto.grpc.reflection.v1 import reflection_pb2_grpc as v1_grpc
-from proto.grpc.reflection.v1alpha import reflection_pb2 as v1alpha_pb2
-from proto.grpc.reflection.v1alpha import reflection_pb2_grpc as v1alpha_grpc
+from proto.standard import reflection_v1_pb2 as v1_pb2
+from proto.standard import reflection_v1_pb2_grpc as v1_grpc
+from proto.standard import reflection_v1alpha_pb2 as v1alpha_pb2
+from proto.standard import reflection_v1alpha_pb2_grpc as v1alpha_grpc
 
 REFLECTION_SERVICES = (v1_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name,
                        v1alpha_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name)

@@ -29,7 +29,7 @@ from engine.health import NOT_SERVING, SERVING, HealthServicer
 from engine.metrics import EngineMetrics, start_metrics_server
 from engine.reflection import add_reflection
 from engine.validation import check_request, finish_request, undecodable_request
-from proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from proto.standard import health_pb2, health_pb2_grpc
 from proto.hybridspec.v1 import generation_pb2 as pb
 from proto.hybridspec.v1 import generation_pb2_grpc
 from scheduler.types import InvalidRequest

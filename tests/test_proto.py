@@ -39,7 +39,7 @@ def test_normalization_only_drops_version_stamps():
 
 
 def test_contract_names():
-    from proto.grpc.health.v1 import health_pb2
+    from proto.standard import health_pb2
     from proto.hybridspec.v1 import generation_pb2 as pb
 
     assert pb.DESCRIPTOR.package == "hybridspec.v1"
@@ -78,3 +78,37 @@ def test_stubs_import_in_a_clean_interpreter(module):
     import sys
 
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd="/", timeout=60)
+
+
+def test_official_health_and_reflection_packages_coexist_with_the_engine(tmp_path):
+    """grpcio-health-checking / grpcio-reflection installed beside the engine (a test's or a tool's health check):
+    their modules define the same protobuf symbols as our copies from other .proto file names, so loading both
+    failed with "duplicate symbol 'grpc.health.v1.HealthCheckRequest'" in either import order. proto.standard uses
+    the official modules where importable. The packages are stood in for by our .proto files compiled under their
+    file names (grpc_health/v1/health.proto, grpc_reflection/v1alpha/reflection.proto), as the packages ship them."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[1]
+    files = {"grpc_health/v1/health.proto": root / "proto/grpc/health/v1/health.proto",
+             "grpc_reflection/v1alpha/reflection.proto": root / "proto/grpc/reflection/v1alpha/reflection.proto"}
+    for name, src in files.items():
+        dst = tmp_path / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dst)
+        for pkg in (dst.parent, dst.parent.parent):
+            (pkg / "__init__.py").touch()
+    assert protoc.main(["grpc_tools.protoc", f"-I{tmp_path}", f"--python_out={tmp_path}",
+                        f"--grpc_python_out={tmp_path}", *files]) == 0
+    official = "import grpc_health.v1.health_pb2, grpc_health.v1.health_pb2_grpc, grpc_reflection.v1alpha.reflection_pb2"
+    ours = "import engine.server, clients.client, proto.standard as s"
+    check = ("import grpc_health.v1.health_pb2 as h, grpc_reflection.v1alpha.reflection_pb2 as r; "
+             "assert s.health_pb2 is h and s.reflection_v1alpha_pb2 is r; "
+             "assert s.health_pb2.HealthCheckResponse.SERVING == 1")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{root}"}
+    for order in (f"{official}; {ours}", f"{ours}; {official}"):
+        subprocess.run([sys.executable, "-c", f"{order}; {check}"], check=True, cwd=tmp_path, env=env, timeout=120)

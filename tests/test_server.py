@@ -16,8 +16,9 @@ import pytest
 from clients.client import GenerationClient, build_request
 from engine import LLM, SamplingParams
 from engine.server import ServeOptions, Server
-from proto.grpc.health.v1 import health_pb2, health_pb2_grpc
-from proto.grpc.reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from proto.standard import health_pb2, health_pb2_grpc
+from proto.standard import reflection_v1alpha_pb2 as reflection_pb2
+from proto.standard import reflection_v1alpha_pb2_grpc as reflection_pb2_grpc
 from proto.hybridspec.v1 import generation_pb2 as pb
 from proto.hybridspec.v1 import generation_pb2_grpc
 from serving import eventually, one_torch_thread, run, serving  # noqa: F401  (fixture)
