@@ -25,7 +25,14 @@ MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "spec": None, "policy": "
 
 
 def _speculation(model: str | None, spec: str | None, draft_model: str | None) -> tuple[str, str | None]:
-    """(spec, draft_model) after the default: the embedded model speculates the way it was trained to."""
+    """(spec, draft_model) after the default: the embedded model speculates the way it was trained to; `--spec draft`
+    on it drafts with its own draft model (models/draft) unless --draft-model names another."""
+    if spec == "draft" and model is None and draft_model is None:  # the embedded target's own draft model
+        from engine.default_model import default_model_dir, trained_draft_dir, trained_model_dir
+
+        trained = trained_model_dir()
+        if trained is not None and default_model_dir() == trained and trained_draft_dir() is not None:
+            return spec, str(trained_draft_dir())
     if spec is not None:
         return spec, draft_model
     if model is None and draft_model is None:

@@ -15,6 +15,7 @@ directory holding target/ and draft/ (default: the repository's models/).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -26,6 +27,8 @@ from workers.config import ModelConfig
 from workers.model import HybridModel
 from workers.random_init import init_random_
 from workers.weights import save_weights
+
+log = logging.getLogger("hybridspec.model")
 
 DEFAULT_MODEL_VERSION = "tiny-gdn-moe-v1"
 DEFAULT_SEED = 1234
@@ -111,6 +114,10 @@ def default_model_dir() -> Path:
         if choice == "trained":
             raise FileNotFoundError(f"HYBRIDSPEC_DEFAULT_MODEL=trained but {models_root() / 'target'} holds no "
                                     "model (run training/train.py; see its docstring)")
+        # (not silent: a wheel install has no models/, and the random model's text is noise)
+        log.warning("no trained default model at %s (set HYBRIDSPEC_MODELS to the folder holding target/ and "
+                    "draft/, or give a model directory): serving the random tiny model, whose text is noise, "
+                    "without speculation", models_root() / "target")
     return random_model_dir()
 
 

@@ -4,6 +4,7 @@ standard library sources, written in the Hugging Face layout that both this engi
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -108,7 +109,7 @@ def test_trained_mtp_head_speculates_losslessly(trained):
         assert llm.engine.memory.stats()["used_pages"] == 0
 
 
-def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch):
+def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch, caplog):
     from engine import default_model as dm
 
     monkeypatch.setenv("HYBRIDSPEC_MODELS", str(trained))
@@ -120,6 +121,9 @@ def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch):
     assert _speculation(None, None, None) == ("mtp", None)
     assert _speculation(str(trained / "target"), None, None) == ("off", None)  # a model directory: off
     assert _speculation(None, "ngram", None) == ("ngram", None)  # asked for explicitly
+    assert _speculation(None, "draft", None) == ("draft", str(trained / "draft"))  # the pair's own draft model
+    assert _speculation(None, "draft", "/elsewhere") == ("draft", "/elsewhere")
+    assert _speculation(str(trained / "target"), "draft", None) == ("draft", None)  # (refused later, by name)
     llm = LLM(**dm.default_speculation())
     assert llm.engine.model_dir == trained / "target" and llm.tokenizer.vocab_size == 512
     out = llm.generate("def f(x):\n", SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
@@ -128,5 +132,8 @@ def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch):
     assert dm.default_model_dir() == dm.random_model_dir()
     assert dm.default_speculation() == {"spec": "off", "draft_model": None}
     monkeypatch.setenv("HYBRIDSPEC_DEFAULT_MODEL", "auto")
-    monkeypatch.setenv("HYBRIDSPEC_MODELS", str(trained / "nowhere"))  # no trained models: the random fallback
-    assert dm.default_model_dir() == dm.random_model_dir()
+    monkeypatch.setenv("HYBRIDSPEC_MODELS", str(trained / "nowhere"))  # no trained models: the random fallback,
+    with caplog.at_level(logging.WARNING, logger="hybridspec.model"):  # not a silent one (a wheel has no models/)
+        assert dm.default_model_dir() == dm.random_model_dir()
+    assert any("no trained default model at" in r.getMessage() and "HYBRIDSPEC_MODELS" in r.getMessage()
+               for r in caplog.records), caplog.records
