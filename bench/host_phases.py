@@ -38,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,16 +236,44 @@ def thread_cpu_ms() -> dict[int, tuple[str, float]]:
     return out
 
 
+def add_shadow_work(kind: str) -> None:
+    """ar's flush_learning followed by host work of `kind` (--ar-shadow-work), on ar's steps only."""
+    flush = runner.ModelRunner.flush_learning
+    buf = np.zeros(8 << 20, dtype=np.uint8)  # [8 MB]: more than the serving core's L2
+    junk: list = []
+
+    def with_work(run: runner.ModelRunner, fold: bool = True) -> None:
+        flush(run, fold)
+        if getattr(getattr(run, "policy", None), "name", None) != "ar":
+            return
+        if kind == "mem":
+            buf[::64] += 1  # one write per cache line
+        else:
+            junk.clear()
+            t = time.perf_counter()
+            while time.perf_counter() - t < 1.2e-4:
+                junk.append({"a": len(junk), "b": [1.0, 2.0]})
+    runner.ModelRunner.flush_learning = with_work
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--phases-out", required=True,
                     help="JSON: per policy|kind|part [total ms, steps, mean ms per step, median ms per step]")
     ap.add_argument("--force-plain", action="store_true", help="hybridspec's gate always decodes plain")
     ap.add_argument("--batches", default="1,64", help="batch sizes whose decode steps are reported")
+    ap.add_argument("--ar-shadow-work", choices=("none", "mem", "py"), default="none",
+                    help="after ar's deferred learning (in the forward's shadow): mem = touch 8 MB (the caches "
+                         "evicted), py = 0.12 ms of Python allocation; does host work there slow the critical path?")
+    ap.add_argument("--pin-cpu", type=int, default=None, help="pin the process to this CPU")
     args, rest = ap.parse_known_args()
     KINDS_OF_BATCH[:] = [int(b) for b in args.batches.split(",")]
     if args.force_plain:
         policy.SpeculationGate.should_draft = lambda self, *args, **kwargs: False
+    if args.ar_shadow_work != "none":
+        add_shadow_work(args.ar_shadow_work)
+    if args.pin_cpu is not None:
+        os.sched_setaffinity(0, {args.pin_cpu})
     phases = Phases()
     phases.install()
     sys.argv = ["e2e.py"] + rest
