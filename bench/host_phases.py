@@ -256,6 +256,21 @@ def add_shadow_work(kind: str) -> None:
     runner.ModelRunner.flush_learning = with_work
 
 
+def plan_twice(phases: Phases) -> None:
+    """--plan-twice: LengthPolicy.lengths runs twice, the second call timed as `lengths (again)` (install() then
+    times the pair as `lengths`: subtract)."""
+    lengths = policy.LengthPolicy.lengths
+
+    def twice(pol, *a, **k):
+        lengths(pol, *a, **k)
+        t = time.perf_counter()
+        try:
+            return lengths(pol, *a, **k)
+        finally:
+            phases.step["lengths (again)"] += (time.perf_counter() - t) * 1e3
+    policy.LengthPolicy.lengths = twice
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--phases-out", required=True,
@@ -266,6 +281,10 @@ def main() -> None:
                     help="after ar's deferred learning (in the forward's shadow): mem = touch 8 MB (the caches "
                          "evicted), py = 0.12 ms of Python allocation; does host work there slow the critical path?")
     ap.add_argument("--pin-cpu", type=int, default=None, help="pin the process to this CPU")
+    ap.add_argument("--plan-twice", action="store_true",
+                    help="every plan is made twice in a row, the second timed as `lengths (again)`: its time with "
+                         "the code and data just used (the first's in place is ~3x on this repo's CPU at c=16: a "
+                         "cold cache?). A diagnostic: the plan's side effects (rate EWMA, recent plans) count twice")
     args, rest = ap.parse_known_args()
     KINDS_OF_BATCH[:] = [int(b) for b in args.batches.split(",")]
     if args.force_plain:
@@ -275,6 +294,8 @@ def main() -> None:
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
     phases = Phases()
+    if args.plan_twice:
+        plan_twice(phases)
     phases.install()
     sys.argv = ["e2e.py"] + rest
     e2e.main()
