@@ -280,7 +280,8 @@ def main() -> None:
     ap.add_argument("--ar-shadow-work", choices=("none", "mem", "py"), default="none",
                     help="after ar's deferred learning (in the forward's shadow): mem = touch 8 MB (the caches "
                          "evicted), py = 0.12 ms of Python allocation; does host work there slow the critical path?")
-    ap.add_argument("--pin-cpu", type=int, default=None, help="pin the process to this CPU")
+    ap.add_argument("--pin-cpu", type=int, default=None,
+                    help="pin every thread of the process to this CPU (torch's intra-op threads: 1)")
     ap.add_argument("--plan-twice", action="store_true",
                     help="every plan is made twice in a row, the second timed as `lengths (again)`: its time with "
                          "the code and data just used (the first's in place is ~3x on this repo's CPU at c=16: a "
@@ -291,8 +292,10 @@ def main() -> None:
         policy.SpeculationGate.should_draft = lambda self, *args, **kwargs: False
     if args.ar_shadow_work != "none":
         add_shadow_work(args.ar_shadow_work)
-    if args.pin_cpu is not None:
-        os.sched_setaffinity(0, {args.pin_cpu})
+    if args.pin_cpu is not None:  # every thread of the process (BLAS pools exist by now), torch's to one
+        torch.set_num_threads(1)
+        for task in Path("/proc/self/task").iterdir():
+            os.sched_setaffinity(int(task.name), {args.pin_cpu})
     phases = Phases()
     if args.plan_twice:
         plan_twice(phases)

@@ -29,6 +29,7 @@ from workers.random_init import init_random_
 from workers.weights import save_weights
 
 log = logging.getLogger("hybridspec.model")
+_WARNED: set[Path] = set()  # models folders found without a trained target (warned once each)
 
 DEFAULT_MODEL_VERSION = "tiny-gdn-moe-v1"
 DEFAULT_SEED = 1234
@@ -114,10 +115,13 @@ def default_model_dir() -> Path:
         if choice == "trained":
             raise FileNotFoundError(f"HYBRIDSPEC_DEFAULT_MODEL=trained but {models_root() / 'target'} holds no "
                                     "model (run training/train.py; see its docstring)")
-        # (not silent: a wheel install has no models/, and the random model's text is noise)
-        log.warning("no trained default model at %s (set HYBRIDSPEC_MODELS to the folder holding target/ and "
-                    "draft/, or give a model directory): serving the random tiny model, whose text is noise, "
-                    "without speculation", models_root() / "target")
+        # (not silent: a wheel install has no models/, and the random model's text is noise; once per folder)
+        missing = models_root() / "target"
+        if missing not in _WARNED:
+            _WARNED.add(missing)
+            log.warning("no trained default model at %s (set HYBRIDSPEC_MODELS to the folder holding target/ and "
+                        "draft/, or give a model directory): using the random tiny model, whose text is noise",
+                        missing)
     return random_model_dir()
 
 

@@ -13,6 +13,7 @@ from proto.standard import health_pb2_grpc
 SERVING = pb.HealthCheckResponse.SERVING
 NOT_SERVING = pb.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = pb.HealthCheckResponse.SERVICE_UNKNOWN
+ECHO_CHARS = 256  # the most of a request's service name an error message repeats
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
@@ -36,9 +37,17 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     async def Check(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
                     ) -> pb.HealthCheckResponse:
         status = self._status.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        if status is None:  # (the name echoed at most ECHO_CHARS long: trailing metadata has a hard size limit)
+            name = request.service
+            shown = repr(name) if len(name) <= ECHO_CHARS else f"{name[:ECHO_CHARS]!r}... ({len(name)} characters)"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {shown}")
         return pb.HealthCheckResponse(status=status)
+
+    async def List(self, request: "pb.HealthListRequest", context: grpc.aio.ServicerContext
+                   ) -> "pb.HealthListResponse":
+        """Every service's status ("" = the whole server)."""
+        return pb.HealthListResponse(statuses={name: pb.HealthCheckResponse(status=status)
+                                               for name, status in self._status.items()})
 
     async def Watch(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[pb.HealthCheckResponse]:

@@ -43,9 +43,10 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 50051
 # would otherwise stall every stream (~0.2 s for 120k tokens); a shorter one costs less than the thread hop
 INLINE_TOKENIZE_CHARS = 16384
 # the largest request message the server reads (gRPC's own default is 4 MiB): a longer prompt than the model can
-# hold is bad input, refused by validation as INVALID_ARGUMENT naming the field and its limit (a text's length is
-# checked before it is tokenized); only past this size does gRPC itself answer RESOURCE_EXHAUSTED
-MAX_REQUEST_BYTES = 256 << 20
+# hold is bad input, refused by validation as INVALID_ARGUMENT naming the field and its limit (a text's length and
+# an id list's count are checked before anything is copied or tokenized); only past this size does gRPC itself
+# answer RESOURCE_EXHAUSTED. (One such message costs its bytes and their parse, ~0.1 s per 16 MiB of ids here.)
+MAX_REQUEST_BYTES = 64 << 20
 
 
 @dataclass
@@ -156,6 +157,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.engine.metrics.rpc_finished(code.name)
         if code is not grpc.StatusCode.OK:
+            # abort raises: its traceback holds this frame, which would keep a refused request's prompt (up to
+            # MAX_REQUEST_BYTES, and its ids as a list) alive until the cyclic GC ran
+            request = checked = ids = text = parsed = None  # noqa: F841
             await context.abort(code, message)
 
     @staticmethod

@@ -60,14 +60,21 @@ def _token_limit(max_model_len: int, memory_tokens: int | None) -> tuple[int, st
     return max_model_len, f"the model's length limit of {max_model_len} tokens"
 
 
-def check_length(field: str, prompt_len: int, max_new_tokens: int, max_model_len: int,
-                 memory_tokens: int | None = None, max_new_tokens_field: str = "max_new_tokens") -> None:
-    """Prompt + completion against the model's length limit and (`memory_tokens`: KV pages x page size, what one
-    request may ever hold) the KV memory. `field` names the prompt's field in the message."""
+def check_prompt_len(field: str, prompt_len: int, max_model_len: int, memory_tokens: int | None = None
+                     ) -> tuple[int, str]:
+    """The prompt alone against the most tokens one request may hold (_token_limit, returned)."""
     limit, why = _token_limit(max_model_len, memory_tokens)
     if prompt_len >= limit:
         raise InvalidRequest(f"{field} must be shorter than {why} (at most {limit - 1} tokens), "
                              f"got {prompt_len} tokens", field)
+    return limit, why
+
+
+def check_length(field: str, prompt_len: int, max_new_tokens: int, max_model_len: int,
+                 memory_tokens: int | None = None, max_new_tokens_field: str = "max_new_tokens") -> None:
+    """Prompt + completion against the model's length limit and (`memory_tokens`: KV pages x page size, what one
+    request may ever hold) the KV memory. `field` names the prompt's field in the message."""
+    limit, why = check_prompt_len(field, prompt_len, max_model_len, memory_tokens)
     if prompt_len + max_new_tokens > limit:
         raise InvalidRequest(
             f"{max_new_tokens_field} must be at most {limit - prompt_len} for this prompt ({prompt_len} tokens; "
@@ -131,6 +138,9 @@ def check_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size:
             raise InvalidRequest("prompt must not be empty", "prompt")
         check_text_size("prompt", request.prompt, tokenizer, max_model_len, memory_tokens)
         return CheckedRequest(rid, params, "prompt", request.prompt, None)
+    # the count first (a request message may be up to server.MAX_REQUEST_BYTES: copying and scanning millions of
+    # ids only to refuse them stalled the event loop for seconds)
+    check_prompt_len("prompt_token_ids", len(request.prompt_token_ids), max_model_len, memory_tokens)
     ids = list(request.prompt_token_ids)
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:

@@ -57,7 +57,7 @@ def test_contract_names():
     assert {"request_id", "token_ids", "text", "finished", "finish_reason", "usage"} <= fields(pb.GenerateResponse)
     assert {"prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps"} <= fields(pb.Usage)
     assert health_pb2.DESCRIPTOR.package == "grpc.health.v1"
-    assert set(health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name) == {"Check", "Watch"}
+    assert set(health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name) == {"Check", "List", "Watch"}
 
 
 def test_unset_sampling_fields_are_distinguishable():

@@ -317,6 +317,15 @@ def test_health_reflection_and_metrics(llm):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await health.Check(health_pb2.HealthCheckRequest(service="nope"))
                 assert err.value.code() is grpc.StatusCode.NOT_FOUND
+                # a long name is echoed in part (it failed with "metadata size exceeds hard limit" at 6 MiB)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await health.Check(health_pb2.HealthCheckRequest(service="n" * (1 << 20)))
+                assert err.value.code() is grpc.StatusCode.NOT_FOUND
+                assert err.value.details().endswith(f"... ({1 << 20} characters)"), err.value.details()[-80:]
+                listed = await health.List(health_pb2.HealthListRequest())  # (the health protocol's List)
+                assert {k: v.status for k, v in listed.statuses.items()} == {
+                    "": health_pb2.HealthCheckResponse.SERVING,
+                    "hybridspec.v1.Generation": health_pb2.HealthCheckResponse.SERVING}
 
                 reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
                 asks = [reflection_pb2.ServerReflectionRequest(list_services=""),

@@ -137,3 +137,7 @@ def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch, caplog)
         assert dm.default_model_dir() == dm.random_model_dir()
     assert any("no trained default model at" in r.getMessage() and "HYBRIDSPEC_MODELS" in r.getMessage()
                for r in caplog.records), caplog.records
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridspec.model"):  # once per folder, not per lookup
+        assert dm.default_model_dir() == dm.random_model_dir()
+    assert not caplog.records

@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -26,3 +28,20 @@ class HealthCheckResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: HealthCheckResponse.ServingStatus
     def __init__(self, status: _Optional[_Union[HealthCheckResponse.ServingStatus, str]] = ...) -> None: ...
+
+class HealthListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthListResponse(_message.Message):
+    __slots__ = ("statuses",)
+    class StatusesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: HealthCheckResponse
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[HealthCheckResponse, _Mapping]] = ...) -> None: ...
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.MessageMap[str, HealthCheckResponse]
+    def __init__(self, statuses: _Optional[_Mapping[str, HealthCheckResponse]] = ...) -> None: ...

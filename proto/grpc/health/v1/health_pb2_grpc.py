@@ -39,6 +39,11 @@ class HealthStub:
                 request_serializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckResponse.FromString,
                 _registered_method=True)
+        self.List = channel.unary_unary(
+                '/grpc.health.v1.Health/List',
+                request_serializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthListRequest.SerializeToString,
+                response_deserializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthListResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/grpc.health.v1.Health/Watch',
                 request_serializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckRequest.SerializeToString,
@@ -51,6 +56,13 @@ class HealthServicer:
 
     def Check(self, request, context):
         """Unknown service: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Every service's status at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +82,11 @@ def add_HealthServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckRequest.FromString,
                     response_serializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthListRequest.FromString,
+                    response_serializer=proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthListResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -104,6 +121,33 @@ class Health:
             '/grpc.health.v1.Health/Check',
             proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckRequest.SerializeToString,
             proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthCheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpc.health.v1.Health/List',
+            proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthListRequest.SerializeToString,
+            proto_dot_grpc_dot_health_dot_v1_dot_health__pb2.HealthListResponse.FromString,
             options,
             channel_credentials,
             insecure,
