@@ -3,8 +3,12 @@
     python -m proto.generate            # rewrite the stubs in place (run from the repository root)
     python -m proto.generate --out DIR  # write them under DIR/proto/... instead (the stub test does this)
 
-Files are compiled with the repository root as the include path, so a stub's own imports read
-`from proto.hybridspec.v1 import ...` and resolve inside the installed `proto` package.
+The standard services' copies (proto/grpc/...) are compiled with the repository root as the include path, so a
+stub's own imports read `from proto.grpc... import ...` and resolve inside the installed `proto` package. Our own
+service's file is compiled from proto/ (CANONICAL): its descriptor is registered as `hybridspec/v1/generation.proto`,
+the name a client gets compiling the same file with `-Iproto`, so such a client's stubs load beside ours (the same
+file twice is one file to protobuf; the same symbols from two file names clash: "duplicate symbol"). Its stubs'
+module references are rewritten to the `proto.` package they live in.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent
 ROOT = PROTO_DIR.parent
 
-# (.proto file relative to the repository root, whether it defines services)
+# .proto files relative to the repository root
 PROTO_FILES = (
     "proto/hybridspec/v1/generation.proto",
     "proto/grpc/health/v1/health.proto",
@@ -34,6 +38,10 @@ _VERSION_STAMPS = (
 )
 
 
+# files compiled from proto/ (registered without the `proto/` prefix); their stubs' module paths get it back
+CANONICAL = ("proto/hybridspec/v1/generation.proto",)
+
+
 def stub_paths(root: Path = ROOT) -> list[Path]:
     """Every generated file for PROTO_FILES under `root`."""
     out = []
@@ -48,10 +56,24 @@ def generate(out_root: Path = ROOT) -> list[Path]:
     from grpc_tools import protoc  # a build-time tool; only needed here
 
     out_root.mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}", *PROTO_FILES]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    rooted = [f for f in PROTO_FILES if f not in CANONICAL]
+    canonical = [f[len("proto/"):] for f in CANONICAL]  # e.g. hybridspec/v1/generation.proto
+    for include, out, files in ((ROOT, out_root, rooted), (PROTO_DIR, out_root / "proto", canonical)):
+        out.mkdir(parents=True, exist_ok=True)
+        args = ["grpc_tools.protoc", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
+                f"--grpc_python_out={out}", *files]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    for name in canonical:  # module references: hybridspec.v1.generation_pb2 -> proto.hybridspec.v1.generation_pb2
+        module = name[: -len(".proto")].replace("/", ".")
+        for path in stub_paths(out_root):
+            if path.suffix == ".py" and path.exists():
+                text = path.read_text()
+                fixed = re.sub(rf"(?<![\w.]){re.escape(module)}_pb2\b", f"proto.{module}_pb2", text)
+                fixed = re.sub(rf"^from {re.escape(module.rsplit('.', 1)[0])} import ",
+                               f"from proto.{module.rsplit('.', 1)[0]} import ", fixed, flags=re.M)
+                if fixed != text:
+                    path.write_text(fixed)
     return stub_paths(out_root)
 
 

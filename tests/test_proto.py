@@ -112,3 +112,27 @@ def test_official_health_and_reflection_packages_coexist_with_the_engine(tmp_pat
     env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{root}"}
     for order in (f"{official}; {ours}", f"{ours}; {official}"):
         subprocess.run([sys.executable, "-c", f"{order}; {check}"], check=True, cwd=tmp_path, env=env, timeout=120)
+
+
+def test_a_client_compiling_our_proto_with_the_proto_root_loads_beside_the_engine(tmp_path):
+    """Our generation.proto is registered as hybridspec/v1/generation.proto, the name a client's own stubs get from
+    `protoc -Iproto proto/hybridspec/v1/generation.proto`: the same file twice is one file to protobuf. Registered as
+    proto/hybridspec/v1/generation.proto (before), importing such stubs beside the engine failed with "duplicate
+    symbol 'hybridspec.v1.SamplingParams'" in either order."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[1]
+    assert protoc.main(["grpc_tools.protoc", f"-I{root / 'proto'}", f"--python_out={tmp_path}",
+                        f"--grpc_python_out={tmp_path}", str(root / "proto/hybridspec/v1/generation.proto")]) == 0
+    theirs = "from hybridspec.v1 import generation_pb2 as theirs, generation_pb2_grpc"
+    ours = "import engine.server; from proto.hybridspec.v1 import generation_pb2 as ours"
+    check = ("assert theirs.GenerateRequest.DESCRIPTOR is ours.GenerateRequest.DESCRIPTOR; "
+             "assert ours.DESCRIPTOR.name == 'hybridspec/v1/generation.proto'; "
+             "r = theirs.GenerateRequest(prompt='hi'); assert ours.GenerateRequest.FromString(r.SerializeToString()).prompt == 'hi'")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{root}"}
+    for order in (f"{theirs}; {ours}", f"{ours}; {theirs}"):
+        subprocess.run([sys.executable, "-c", f"{order}; {check}"], check=True, cwd=tmp_path, env=env, timeout=120)

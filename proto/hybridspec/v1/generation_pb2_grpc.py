@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.hybridspec.v1 import generation_pb2 as proto_dot_hybridspec_dot_v1_dot_generation__pb2
+from proto.hybridspec.v1 import generation_pb2 as hybridspec_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/hybridspec/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in hybridspec/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/hybridspec.v1.Generation/Generate',
-                request_serializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=hybridspec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=hybridspec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/hybridspec.v1.Generation/GetStats',
-                request_serializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
+                request_serializer=hybridspec_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=hybridspec_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -72,13 +72,13 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=hybridspec_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=hybridspec_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GetStatsRequest.FromString,
-                    response_serializer=proto_dot_hybridspec_dot_v1_dot_generation__pb2.GetStatsResponse.SerializeToString,
+                    request_deserializer=hybridspec_dot_v1_dot_generation__pb2.GetStatsRequest.FromString,
+                    response_serializer=hybridspec_dot_v1_dot_generation__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,8 +106,8 @@ class Generation:
             request,
             target,
             '/hybridspec.v1.Generation/Generate',
-            proto_dot_hybridspec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            proto_dot_hybridspec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            hybridspec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            hybridspec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -133,8 +133,8 @@ class Generation:
             request,
             target,
             '/hybridspec.v1.Generation/GetStats',
-            proto_dot_hybridspec_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
-            proto_dot_hybridspec_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
+            hybridspec_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
+            hybridspec_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
