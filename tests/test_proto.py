@@ -87,8 +87,6 @@ def test_official_health_and_reflection_packages_coexist_with_the_engine(tmp_pat
     the official modules where importable. The packages are stood in for by our .proto files compiled under their
     file names (grpc_health/v1/health.proto, grpc_reflection/v1alpha/reflection.proto), as the packages ship them."""
     import shutil
-    import subprocess
-    import sys
     from pathlib import Path
 
     from grpc_tools import protoc
@@ -109,9 +107,7 @@ def test_official_health_and_reflection_packages_coexist_with_the_engine(tmp_pat
     check = ("import grpc_health.v1.health_pb2 as h, grpc_reflection.v1alpha.reflection_pb2 as r; "
              "assert s.health_pb2 is h and s.reflection_v1alpha_pb2 is r; "
              "assert s.health_pb2.HealthCheckResponse.SERVING == 1")
-    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{root}"}
-    for order in (f"{official}; {ours}", f"{ours}; {official}"):
-        subprocess.run([sys.executable, "-c", f"{order}; {check}"], check=True, cwd=tmp_path, env=env, timeout=120)
+    _import_both_ways(tmp_path, official, ours, check)
 
 
 def test_a_client_compiling_our_proto_with_the_proto_root_loads_beside_the_engine(tmp_path):
@@ -119,8 +115,6 @@ def test_a_client_compiling_our_proto_with_the_proto_root_loads_beside_the_engin
     `protoc -Iproto proto/hybridspec/v1/generation.proto`: the same file twice is one file to protobuf. Registered as
     proto/hybridspec/v1/generation.proto (before), importing such stubs beside the engine failed with "duplicate
     symbol 'hybridspec.v1.SamplingParams'" in either order."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     from grpc_tools import protoc
@@ -133,6 +127,17 @@ def test_a_client_compiling_our_proto_with_the_proto_root_loads_beside_the_engin
     check = ("assert theirs.GenerateRequest.DESCRIPTOR is ours.GenerateRequest.DESCRIPTOR; "
              "assert ours.DESCRIPTOR.name == 'hybridspec/v1/generation.proto'; "
              "r = theirs.GenerateRequest(prompt='hi'); assert ours.GenerateRequest.FromString(r.SerializeToString()).prompt == 'hi'")
-    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{root}"}
+    _import_both_ways(tmp_path, theirs, ours, check)
+
+
+def _import_both_ways(stubs, theirs: str, ours: str, check: str) -> None:
+    """In a fresh interpreter with `stubs` (a folder) and the repository on its path: the imports `theirs` then
+    `ours`, then `check`; and again in the other order."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": f"{stubs}:{Path(__file__).resolve().parents[1]}"}
     for order in (f"{theirs}; {ours}", f"{ours}; {theirs}"):
-        subprocess.run([sys.executable, "-c", f"{order}; {check}"], check=True, cwd=tmp_path, env=env, timeout=120)
+        subprocess.run([sys.executable, "-c", f"{order}; {check}"], check=True, cwd=stubs, env=env, timeout=120)
