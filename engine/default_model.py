@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -82,10 +83,28 @@ def build_default_model(directory: str | Path) -> Path:
     return directory
 
 
+REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def installed_models_dirs() -> list[Path]:
+    """Where a wheel install puts the trained pair (pyproject's data-files): <prefix>/share/hybridspec/models, for
+    the environment's prefix and the user scheme's."""
+    data = [sysconfig.get_path("data")]
+    if f"{os.name}_user" in sysconfig.get_scheme_names():  # (pip install --user)
+        data.append(sysconfig.get_path("data", f"{os.name}_user"))
+    return [Path(d) / "share" / "hybridspec" / "models" for d in data if d]
+
+
 def models_root() -> Path:
-    """Where the trained embedded models live: $HYBRIDSPEC_MODELS, else the repository's models/."""
+    """Where the trained embedded models live: $HYBRIDSPEC_MODELS, else the repository's models/ (a checkout, an
+    editable install), else an installed wheel's (installed_models_dirs); the repository's where none holds them."""
     env = os.environ.get("HYBRIDSPEC_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+    if env:
+        return Path(env)
+    for path in [REPO_MODELS, *installed_models_dirs()]:
+        if (path / "target").is_dir():
+            return path
+    return REPO_MODELS
 
 
 def _is_model_dir(path: Path) -> bool:

@@ -141,3 +141,43 @@ def test_trained_pair_becomes_the_embedded_default(trained, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="hybridspec.model"):  # once per folder, not per lookup
         assert dm.default_model_dir() == dm.random_model_dir()
     assert not caplog.records
+
+
+def test_a_wheel_carries_the_trained_pair_and_the_default_finds_it_installed(tmp_path, monkeypatch):
+    """A wheel install had no models/ (the pair lives beside the packages in a checkout): it served the random model.
+    The wheel now installs the pair under <prefix>/share/hybridspec/models, where models_root looks after the
+    repository's own models/."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    from engine import default_model as dm
+
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # (a copy: setuptools builds inside the source tree)
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "results"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("hybridspec-*.whl")))
+    data = "hybridspec-0.1.0.data/data/share/hybridspec/models/"
+    pair = [f"{part}/{name}" for part in ("target", "draft")
+            for name in ("config.json", "model.safetensors", "tokenizer.json")]
+    for name in pair:
+        assert wheel.read(data + name) == (root / "models" / name).read_bytes(), name
+    # installed: the data files under a prefix, no repository models/ beside the packages
+    prefix_models = tmp_path / "prefix" / "share" / "hybridspec" / "models"
+    for name in pair:
+        (prefix_models / name).parent.mkdir(parents=True, exist_ok=True)
+        (prefix_models / name).write_bytes(wheel.read(data + name))
+    import sysconfig  # (where pip puts a wheel's data files: the environment's data path)
+
+    assert Path(sysconfig.get_path("data")) / "share" / "hybridspec" / "models" in dm.installed_models_dirs()
+    monkeypatch.delenv("HYBRIDSPEC_MODELS", raising=False)
+    monkeypatch.delenv("HYBRIDSPEC_DEFAULT_MODEL", raising=False)
+    monkeypatch.setattr(dm, "REPO_MODELS", tmp_path / "site-packages" / "models")  # (not there)
+    monkeypatch.setattr(dm, "installed_models_dirs", lambda: [tmp_path / "nowhere", prefix_models])
+    assert dm.models_root() == prefix_models
+    assert dm.default_model_dir() == prefix_models / "target"
+    assert dm.default_speculation() == {"spec": "mtp", "draft_model": None}
