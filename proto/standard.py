@@ -21,16 +21,19 @@ def _pick(official: str, ours: str) -> tuple[ModuleType, ModuleType]:
     is loaded already: the official one then cannot be, TypeError from the descriptor pool). Where the official
     modules fail otherwise (a grpcio older than their gencode: RuntimeError, VersionError) after registering their
     descriptors, ours cannot load either: the official modules' error is raised, not the clash."""
+    first: Exception | None = None  # why the official modules did not load, where they are installed
     try:
         return (importlib.import_module(f"{official}_pb2"), importlib.import_module(f"{official}_pb2_grpc"))
     except ImportError:
         pass
-    except Exception as first:  # noqa: BLE001 - ours may still load (nothing of theirs registered)
-        try:
-            return importlib.import_module(f"{ours}_pb2"), importlib.import_module(f"{ours}_pb2_grpc")
-        except TypeError:
-            raise first from None
-    return importlib.import_module(f"{ours}_pb2"), importlib.import_module(f"{ours}_pb2_grpc")
+    except Exception as e:  # noqa: BLE001 - ours may still load (nothing of theirs registered)
+        first = e
+    try:
+        return importlib.import_module(f"{ours}_pb2"), importlib.import_module(f"{ours}_pb2_grpc")
+    except TypeError:
+        if first is None:
+            raise
+        raise first from None
 
 
 health_pb2, health_pb2_grpc = _pick("grpc_health.v1.health", "proto.grpc.health.v1.health")
